@@ -1,0 +1,102 @@
+"""Choosing backends by URL: ``sqlite://<path>`` (embedded, the default), ``kafka://``, ``redis://``.
+
+A run is addressed by a ``RunAddress``: the log URL, the coordinator URL and the run id.
+``--run-dir DIR`` is shorthand for the embedded database ``DIR/rewind.db``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+from .ports import Coordinator, EventLog
+
+DB_NAME = "rewind.db"
+
+
+@dataclass(frozen=True)
+class RunAddress:
+    """Where a run lives: its log, its coordinator, and its id."""
+
+    log_url: str
+    coord_url: str
+    run_id: str
+
+    @classmethod
+    def from_run_dir(cls, run_dir: str | os.PathLike[str], run_id: str | None = None) -> RunAddress:
+        """The embedded run stored in ``run_dir``; the run id may be left out if there is one."""
+        url = f"sqlite://{Path(run_dir).resolve() / DB_NAME}"
+        if run_id is None:
+            runs = list_runs(url)
+            if len(runs) != 1:
+                raise ConfigError(
+                    f"{run_dir} holds {len(runs)} runs ({', '.join(runs) or 'none'}); pass --run"
+                )
+            run_id = runs[0]
+        return cls(url, url, run_id)
+
+    @classmethod
+    def from_env(cls, run_id: str) -> RunAddress:
+        """Backends from ``REWIND_LOG`` / ``REWIND_COORD``, else ``./rewind.db``."""
+        default = f"sqlite://{Path(DB_NAME).resolve()}"
+        log = os.environ.get("REWIND_LOG", default)
+        return cls(log, os.environ.get("REWIND_COORD", log), run_id)
+
+    def open_log(self) -> EventLog:
+        """Open this run's log."""
+        return open_log(self.log_url, self.run_id)
+
+    def open_coordinator(self) -> Coordinator:
+        """Open the coordinator."""
+        return open_coordinator(self.coord_url)
+
+
+def _scheme(url: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        raise ConfigError(f"backend URL {url!r} has no scheme (sqlite://, kafka://, redis://)")
+    return scheme
+
+
+def open_log(url: str, run_id: str) -> EventLog:
+    """Open run ``run_id``'s log on the backend ``url`` names."""
+    scheme = _scheme(url)
+    if scheme == "sqlite":
+        from .embedded import EmbeddedLog
+
+        return EmbeddedLog(url, run_id)
+    if scheme == "kafka":
+        from .kafka import KafkaLog
+
+        return KafkaLog(url, run_id)
+    raise ConfigError(f"unknown log backend {scheme!r} in {url!r}; use sqlite:// or kafka://")
+
+
+def open_coordinator(url: str) -> Coordinator:
+    """Open the coordinator ``url`` names."""
+    scheme = _scheme(url)
+    if scheme == "sqlite":
+        from .embedded import EmbeddedCoordinator
+
+        return EmbeddedCoordinator(url)
+    if scheme in ("redis", "rediss"):
+        from .redis import RedisCoordinator
+
+        return RedisCoordinator(url)
+    raise ConfigError(f"unknown coordinator {scheme!r} in {url!r}; use sqlite:// or redis://")
+
+
+def list_runs(url: str) -> list[str]:
+    """Runs recorded in the log at ``url``."""
+    scheme = _scheme(url)
+    if scheme == "sqlite":
+        from .embedded import list_runs as embedded_runs
+
+        return embedded_runs(url)
+    if scheme == "kafka":
+        from .kafka import list_runs as kafka_runs
+
+        return kafka_runs(url)
+    raise ConfigError(f"unknown log backend {scheme!r} in {url!r}")

@@ -1,0 +1,110 @@
+"""Taking a training state apart into tensors and small states, and putting it back.
+
+Tensor-holding objects (the model, the optimizer) are flattened: each tensor leaf of their
+``state_dict`` becomes a named log tensor (``model/fc.weight``,
+``optimizer/state/0/exp_avg``) and the rest of the tree becomes a small *skeleton* with
+references in place of tensors. Every other object's whole ``state_dict`` is a small state.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+
+from .errors import StateMismatchError
+from .statecodec import TensorRef
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict`` / ``load_state_dict``: modules, optimizers, schedulers,
+    samplers, environment wrappers."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state_dict: Any) -> Any: ...
+
+
+def flatten(prefix: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a state tree into ``{log name: tensor}`` and a skeleton holding ``TensorRef`` s."""
+    tensors: dict[str, torch.Tensor] = {}
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, torch.Tensor):
+            tensors[path] = node
+            return TensorRef(path)
+        if isinstance(node, Mapping):
+            return {k: walk(v, f"{path}/{k}") for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v, f"{path}/{i}") for i, v in enumerate(node)]
+        if isinstance(node, tuple):
+            return tuple(walk(v, f"{path}/{i}") for i, v in enumerate(node))
+        return node
+
+    return tensors, walk(tree, prefix)
+
+
+def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """Rebuild a state tree from its skeleton and the rebuilt tensors."""
+    if isinstance(skeleton, TensorRef):
+        try:
+            return tensors[skeleton.name]
+        except KeyError:
+            raise StateMismatchError(f"recorded state lacks tensor {skeleton.name!r}") from None
+    if isinstance(skeleton, dict):
+        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    if isinstance(skeleton, tuple):
+        return tuple(unflatten(v, tensors) for v in skeleton)
+    return skeleton
+
+
+class GlobalRng:
+    """The process-wide RNGs as one ``Stateful``: torch CPU (and CUDA), numpy, ``random``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        state: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": np.random.get_state(),
+            "python": random.getstate(),
+        }
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        torch.set_rng_state(state["torch"])
+        np.random.set_state(state["numpy"])
+        random.setstate(state["python"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def check_model_fits(
+    name: str, obj: Stateful, recorded: Mapping[str, tuple[str, tuple[int, ...]]]
+) -> None:
+    """Raise ``StateMismatchError`` naming every tensor whose name, dtype or shape differs."""
+    if not isinstance(obj, torch.nn.Module):
+        return
+    live = {
+        f"{name}/{k}": (str(v.dtype).removeprefix("torch."), tuple(v.shape))
+        for k, v in obj.state_dict().items()
+        if isinstance(v, torch.Tensor)
+    }
+    rec = {k: v for k, v in recorded.items() if k.startswith(f"{name}/")}
+    problems = [f"missing in the model: {k}" for k in sorted(rec.keys() - live.keys())]
+    problems += [f"not in the recording: {k}" for k in sorted(live.keys() - rec.keys())]
+    problems += [
+        f"{k}: recorded {rec[k][0]}{list(rec[k][1])}, model has {live[k][0]}{list(live[k][1])}"
+        for k in sorted(rec.keys() & live.keys())
+        if rec[k] != live[k]
+    ]
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise StateMismatchError(f"{name!r} does not match the recorded run: {shown}")
+

@@ -1,0 +1,409 @@
+"""The embedded backend: one SQLite file holds the log and the coordinator (no servers).
+
+SQLite gives the contract the Kafka backend gets from transactions: a transaction's records
+become visible together at commit, a crash before commit leaves nothing (rollback journal
+/ WAL), and a commit is durable on return (``synchronous=FULL``). Writers are fenced with
+an epoch per writer id, checked inside the commit, like Kafka's ``transactional.id``.
+
+URL: ``sqlite://<path>``, e.g. ``sqlite:///tmp/run/rewind.db`` (absolute) or
+``sqlite://runs/rewind.db`` (relative).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, ParamSpec, TypeVar
+
+from .errors import (
+    CoordinationError,
+    CorruptStoreError,
+    EventLogError,
+    FencedError,
+    RewindError,
+    StaleVersionError,
+)
+from .ports import Coordinator, EventLog, LogTransaction, LogWriter, Record
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, shards INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS partitions (
+    run TEXT, partition INTEGER, next_offset INTEGER NOT NULL, start_offset INTEGER NOT NULL,
+    PRIMARY KEY (run, partition));
+CREATE TABLE IF NOT EXISTS records (
+    run TEXT, partition INTEGER, offset INTEGER, value BLOB NOT NULL,
+    PRIMARY KEY (run, partition, offset)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS writers (run TEXT, writer TEXT, epoch INTEGER NOT NULL,
+    PRIMARY KEY (run, writer));
+CREATE TABLE IF NOT EXISTS versions (run TEXT PRIMARY KEY, version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS gsns (run TEXT PRIMARY KEY, next_gsn INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS catalog (run TEXT, snapshot_id TEXT, entry TEXT NOT NULL,
+    PRIMARY KEY (run, snapshot_id));
+CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, holder TEXT, token INTEGER NOT NULL,
+    expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS followers (run TEXT, follower TEXT, version INTEGER NOT NULL,
+    time_ms INTEGER NOT NULL, PRIMARY KEY (run, follower));
+"""
+
+
+def path_from_url(url: str) -> Path:
+    """The database path of a ``sqlite://`` URL."""
+    if not url.startswith("sqlite://") or len(url) <= len("sqlite://"):
+        raise EventLogError(f"not an embedded (sqlite://<path>) URL: {url!r}")
+    return Path(url[len("sqlite://") :])
+
+
+class _Database:
+    """One SQLite file with a connection per thread (sqlite3 connections are not shareable)."""
+
+    def __init__(self, path: Path, error: type[RewindError]) -> None:
+        self.path = path
+        self._error = error
+        self._local = threading.local()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn().executescript(_SCHEMA)
+
+    def conn(self) -> sqlite3.Connection:
+        c: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if c is None:
+            try:
+                c = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
+                c.execute("PRAGMA journal_mode=WAL")
+                c.execute("PRAGMA synchronous=FULL")
+            except sqlite3.Error as exc:
+                raise self.wrap(exc) from exc
+            self._local.conn = c
+        return c
+
+    def wrap(self, exc: sqlite3.Error) -> RewindError:
+        """Our error for a driver error, naming the file."""
+        msg = str(exc)
+        if isinstance(exc, sqlite3.DatabaseError) and (
+            "malformed" in msg or "not a database" in msg or "disk image" in msg
+        ):
+            return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
+        return self._error(f"embedded database {self.path}: {msg}")
+
+    @contextmanager
+    def txn(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back if the block raises."""
+        c = self.conn()
+        try:
+            c.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self.wrap(exc) from exc
+        try:
+            yield c
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        try:
+            c.execute("COMMIT")
+        except sqlite3.Error as exc:
+            c.execute("ROLLBACK")
+            raise self.wrap(exc) from exc
+
+    def close(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+            self._local.conn = None
+
+
+def _wrapped(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn sqlite3 errors raised by a method into the backend's own error type."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except sqlite3.Error as exc:
+            raise args[0]._db.wrap(exc) from exc  # type: ignore[attr-defined]
+
+    return run
+
+
+class _Transaction(LogTransaction):
+    def __init__(self, log: EmbeddedLog, conn: sqlite3.Connection) -> None:
+        self._log, self._conn = log, conn
+        self._next: dict[int, int] = {}
+
+    def append(self, partition: int, value: bytes) -> None:
+        nxt = self._next.get(partition)
+        if nxt is None:
+            row = self._conn.execute(
+                "SELECT next_offset FROM partitions WHERE run=? AND partition=?",
+                (self._log.run_id, partition),
+            ).fetchone()
+            if row is None:
+                raise EventLogError(f"run {self._log.run_id!r} has no partition {partition}")
+            nxt = row[0]
+        self._conn.execute(
+            "INSERT INTO records VALUES (?,?,?,?)", (self._log.run_id, partition, nxt, value)
+        )
+        self._next[partition] = nxt + 1
+
+    def finish(self) -> None:
+        for partition, nxt in self._next.items():
+            self._conn.execute(
+                "UPDATE partitions SET next_offset=? WHERE run=? AND partition=?",
+                (nxt, self._log.run_id, partition),
+            )
+
+
+class _Writer(LogWriter):
+    def __init__(self, log: EmbeddedLog, writer_id: str, epoch: int) -> None:
+        self._log, self.writer_id, self._epoch = log, writer_id, epoch
+
+    @contextmanager
+    def transaction(self) -> Iterator[LogTransaction]:
+        db = self._log._db
+        try:
+            with db.txn() as conn:
+                row = conn.execute(
+                    "SELECT epoch FROM writers WHERE run=? AND writer=?",
+                    (self._log.run_id, self.writer_id),
+                ).fetchone()
+                if row is None or row[0] != self._epoch:
+                    raise FencedError(
+                        f"writer {self.writer_id!r} of run {self._log.run_id!r} was fenced by a "
+                        f"newer writer with the same id (epoch {row[0] if row else '?'} > {self._epoch})"
+                    )
+                txn = _Transaction(self._log, conn)
+                yield txn
+                txn.finish()
+        except sqlite3.Error as exc:
+            raise db.wrap(exc) from exc
+
+    def close(self) -> None:
+        pass
+
+
+class EmbeddedLog(EventLog):
+    """A run's log in a SQLite file."""
+
+    def __init__(self, url: str, run_id: str) -> None:
+        self.url, self.run_id = url, run_id
+        try:
+            self._db = _Database(path_from_url(url), EventLogError)
+        except sqlite3.Error as exc:
+            raise CorruptStoreError(
+                f"embedded database {path_from_url(url)} cannot be opened: {exc}"
+            ) from exc
+
+    @_wrapped
+    def create(self, shards: int) -> None:
+        with self._db.txn() as c:
+            row = c.execute("SELECT shards FROM runs WHERE run=?", (self.run_id,)).fetchone()
+            if row is not None:
+                if row[0] != shards:
+                    raise EventLogError(
+                        f"run {self.run_id!r} exists with {row[0]} shards, not {shards}"
+                    )
+                return
+            c.execute("INSERT INTO runs VALUES (?,?)", (self.run_id, shards))
+            for p in range(-1, shards):
+                c.execute("INSERT INTO partitions VALUES (?,?,0,0)", (self.run_id, p))
+
+    @_wrapped
+    def shard_count(self) -> int | None:
+        row = self._db.conn().execute(
+            "SELECT shards FROM runs WHERE run=?", (self.run_id,)
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    @_wrapped
+    def writer(self, writer_id: str) -> LogWriter:
+        with self._db.txn() as c:
+            c.execute(
+                "INSERT INTO writers VALUES (?,?,1) ON CONFLICT(run, writer) "
+                "DO UPDATE SET epoch=epoch+1",
+                (self.run_id, writer_id),
+            )
+            (epoch,) = c.execute(
+                "SELECT epoch FROM writers WHERE run=? AND writer=?", (self.run_id, writer_id)
+            ).fetchone()
+        return _Writer(self, writer_id, int(epoch))
+
+    @_wrapped
+    def read(
+        self, partition: int, *, gt: int | None = None, lte: int | None = None,
+        limit: int | None = None,
+    ) -> list[Record]:
+        rows = self._db.conn().execute(
+            "SELECT offset, value FROM records WHERE run=? AND partition=? AND offset>? "
+            "AND offset<=? ORDER BY offset LIMIT ?",
+            (
+                self.run_id, partition, -1 if gt is None else gt,
+                (1 << 62) if lte is None else lte, -1 if limit is None else limit,
+            ),
+        ).fetchall()
+        return [Record(partition, int(o), bytes(v)) for o, v in rows]
+
+    def _partition_row(self, partition: int) -> tuple[int, int]:
+        row = self._db.conn().execute(
+            "SELECT next_offset, start_offset FROM partitions WHERE run=? AND partition=?",
+            (self.run_id, partition),
+        ).fetchone()
+        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+    @_wrapped
+    def end_offset(self, partition: int) -> int:
+        return self._partition_row(partition)[0]
+
+    @_wrapped
+    def start_offset(self, partition: int) -> int:
+        return self._partition_row(partition)[1]
+
+    @_wrapped
+    def truncate_before(self, partition: int, offset: int) -> None:
+        with self._db.txn() as c:
+            c.execute(
+                "DELETE FROM records WHERE run=? AND partition=? AND offset<?",
+                (self.run_id, partition, offset),
+            )
+            c.execute(
+                "UPDATE partitions SET start_offset=MAX(start_offset, MIN(?, next_offset)) "
+                "WHERE run=? AND partition=?",
+                (offset, self.run_id, partition),
+            )
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def list_runs(url: str) -> list[str]:
+    """Runs recorded in an embedded database."""
+    path = path_from_url(url)
+    if not path.exists():
+        return []
+    db = _Database(path, EventLogError)
+    try:
+        return [r[0] for r in db.conn().execute("SELECT run FROM runs ORDER BY run")]
+    except sqlite3.Error as exc:
+        raise db.wrap(exc) from exc
+    finally:
+        db.close()
+
+
+class EmbeddedCoordinator(Coordinator):
+    """Coordinator state in a SQLite file (usually the log's own file)."""
+
+    def __init__(self, url: str, clock: Callable[[], float] = time.time) -> None:
+        self.url = url
+        self._clock = clock
+        try:
+            self._db = _Database(path_from_url(url), CoordinationError)
+        except sqlite3.Error as exc:
+            raise CoordinationError(f"embedded coordinator {url}: {exc}") from exc
+
+    @_wrapped
+    def current_version(self, run: str) -> int:
+        row = self._db.conn().execute("SELECT version FROM versions WHERE run=?", (run,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    @_wrapped
+    def compare_and_set_version(self, run: str, expected: int, new: int) -> None:
+        with self._db.txn() as c:
+            row = c.execute("SELECT version FROM versions WHERE run=?", (run,)).fetchone()
+            actual = 0 if row is None else int(row[0])
+            if actual != expected:
+                raise StaleVersionError(expected, actual)
+            c.execute("INSERT OR REPLACE INTO versions VALUES (?,?)", (run, new))
+
+    @_wrapped
+    def reset_version(self, run: str, version: int) -> None:
+        with self._db.txn() as c:
+            c.execute("INSERT OR REPLACE INTO versions VALUES (?,?)", (run, version))
+
+    @_wrapped
+    def allocate_gsns(self, run: str, count: int) -> int:
+        with self._db.txn() as c:
+            row = c.execute("SELECT next_gsn FROM gsns WHERE run=?", (run,)).fetchone()
+            first = 1 if row is None else int(row[0])
+            c.execute("INSERT OR REPLACE INTO gsns VALUES (?,?)", (run, first + count))
+        return first
+
+    @_wrapped
+    def raise_gsn_floor(self, run: str, floor: int) -> None:
+        with self._db.txn() as c:
+            c.execute(
+                "INSERT INTO gsns VALUES (?,?) ON CONFLICT(run) "
+                "DO UPDATE SET next_gsn=MAX(next_gsn, excluded.next_gsn)",
+                (run, floor + 1),
+            )
+
+    @_wrapped
+    def catalog_put(self, run: str, snapshot_id: str, entry: dict[str, Any]) -> None:
+        with self._db.txn() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO catalog VALUES (?,?,?)",
+                (run, snapshot_id, json.dumps(entry, sort_keys=True)),
+            )
+
+    @_wrapped
+    def catalog(self, run: str) -> dict[str, dict[str, Any]]:
+        rows = self._db.conn().execute(
+            "SELECT snapshot_id, entry FROM catalog WHERE run=?", (run,)
+        ).fetchall()
+        return {sid: json.loads(entry) for sid, entry in rows}
+
+    @_wrapped
+    def catalog_delete(self, run: str, snapshot_id: str) -> None:
+        with self._db.txn() as c:
+            c.execute("DELETE FROM catalog WHERE run=? AND snapshot_id=?", (run, snapshot_id))
+
+    @_wrapped
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> int | None:
+        now = self._clock()
+        with self._db.txn() as c:
+            row = c.execute("SELECT holder, token, expires FROM leases WHERE name=?", (name,)).fetchone()
+            if row is None:
+                token = 1
+            else:
+                cur_holder, token, expires = row
+                if cur_holder == holder and expires > now:
+                    c.execute("UPDATE leases SET expires=? WHERE name=?", (now + ttl_s, name))
+                    return int(token)
+                if cur_holder is not None and expires > now:
+                    return None
+                token = int(token) + 1
+            c.execute("INSERT OR REPLACE INTO leases VALUES (?,?,?,?)", (name, holder, token, now + ttl_s))
+        return token
+
+    @_wrapped
+    def release_lease(self, name: str, holder: str) -> None:
+        with self._db.txn() as c:
+            c.execute("UPDATE leases SET holder=NULL, expires=0 WHERE name=? AND holder=?", (name, holder))
+
+    @_wrapped
+    def lease_token(self, name: str) -> int:
+        row = self._db.conn().execute("SELECT token FROM leases WHERE name=?", (name,)).fetchone()
+        return 0 if row is None else int(row[0])
+
+    @_wrapped
+    def report_follower(self, run: str, follower: str, version: int) -> None:
+        with self._db.txn() as c:
+            c.execute(
+                "INSERT OR REPLACE INTO followers VALUES (?,?,?,?)",
+                (run, follower, version, int(self._clock() * 1000)),
+            )
+
+    @_wrapped
+    def followers(self, run: str) -> dict[str, dict[str, int]]:
+        rows = self._db.conn().execute(
+            "SELECT follower, version, time_ms FROM followers WHERE run=?", (run,)
+        ).fetchall()
+        return {f: {"version": int(v), "time_ms": int(t)} for f, v, t in rows}
+
+    def close(self) -> None:
+        self._db.close()

@@ -1,0 +1,83 @@
+"""Rewind's error hierarchy: one root, and a child for each kind of failure a user can act on.
+
+Driver errors (sqlite3, confluent_kafka, redis) never leak out bare: backends wrap them in
+``EventLogError`` or ``CoordinationError``.
+"""
+
+from __future__ import annotations
+
+
+class RewindError(Exception):
+    """Root of every error Rewind raises on purpose."""
+
+
+class ConfigError(RewindError):
+    """A setting, URL or argument is invalid (raised before anything is written)."""
+
+
+class EventLogError(RewindError):
+    """The log backend failed (I/O, broker, database), after any retries ran out."""
+
+
+class CorruptStoreError(EventLogError):
+    """A backend's own storage is damaged (e.g. a truncated or overwritten database file)."""
+
+
+class CoordinationError(RewindError):
+    """The coordinator (Redis, embedded store) failed, after any retries ran out."""
+
+
+class DecodeError(RewindError):
+    """Bytes read from the log or a snapshot are not a valid Rewind event or payload."""
+
+
+class CorruptMessageError(DecodeError):
+    """A message is damaged: bad magic, truncated body, or a digest that does not match."""
+
+
+class UnknownSchemaError(DecodeError):
+    """A message was written with a schema fingerprint this Rewind does not know."""
+
+
+class IntegrityError(RewindError):
+    """The log contradicts itself: a shard digest differs from its seal, a count is short."""
+
+
+class DigestMismatchError(IntegrityError):
+    """A rebuilt shard's digest differs from the digest its version's seal recorded."""
+
+
+class WrongRunError(RewindError):
+    """An event, snapshot or checkpoint belongs to another run than the one asked for."""
+
+
+class StateMismatchError(RewindError):
+    """Recorded state does not fit the objects it is restored into (names, shapes, dtypes)."""
+
+
+class StaleVersionError(RewindError):
+    """``commit(base_version)`` lost the optimistic race: the run is at another version."""
+
+    def __init__(self, expected: int, actual: int) -> None:
+        super().__init__(
+            f"stale version: commit was based on version {expected}, "
+            f"but the run is at version {actual}; restore() and retry"
+        )
+        self.expected = expected
+        self.actual = actual
+
+
+class FencedError(RewindError):
+    """A newer writer (or snapshotter) with the same identity took over; this one must stop."""
+
+
+class TargetNotFoundError(RewindError):
+    """A replay target (version, step, gsn, offset) does not exist in the run's log."""
+
+
+class TruncatedHistoryError(TargetNotFoundError):
+    """A replay target lies in a part of the log that retention has truncated."""
+
+
+class RunNotFoundError(RewindError):
+    """The run has no ``RunStarted`` event in this log."""

@@ -1,0 +1,220 @@
+"""Typed, frozen events: one dataclass per Avro record in ``schemas/``.
+
+Field names match the schema exactly, so the Avro form of an event is its fields, with
+tuples for arrays and a dict for the map. ``Envelope.to_avro`` / ``Envelope.from_avro``
+are an exact round trip.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+CONTROL_SHARD = -1
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of the run's state and the shard that owns it."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    shard: int
+
+
+@dataclass(frozen=True)
+class RunStarted:
+    """First event of a run; the log describes its own layout."""
+
+    shard_count: int
+    tensors: tuple[TensorSpec, ...]
+    small_states: tuple[str, ...]
+    config_digest: str
+    torch_version: str
+    device: str
+    rewind_version: str
+    schema_version: int
+    chunk_bytes: int
+
+
+@dataclass(frozen=True)
+class TensorDelta:
+    """One chunk of one tensor of one version."""
+
+    FULL: ClassVar[str] = "FULL"
+    XOR: ClassVar[str] = "XOR"
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    chunk_index: int
+    chunk_count: int
+    byte_offset: int
+    byte_length: int
+    encoding: str
+    compression: str
+    base_version: int
+    digest: bytes
+    payload: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class CommitSealed:
+    """Seals a version; a version exists iff its seal is committed."""
+
+    base_version: int
+    shard_counts: tuple[int, ...]
+    control_count: int
+    shard_digests: tuple[bytes, ...]
+    small_digest: bytes
+    state_digest: bytes
+    encoding: str
+    raw_bytes: int
+    encoded_bytes: int
+
+
+@dataclass(frozen=True)
+class SchedulerStep:
+    """LR scheduler state after a step (msgpack)."""
+
+    name: str
+    state: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class RngAdvance:
+    """RNG states after a step (msgpack)."""
+
+    name: str
+    state: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SamplerCursor:
+    """Sampler / data-cursor state (msgpack)."""
+
+    name: str
+    state: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class CustomState:
+    """A user ``Stateful`` object's state, or the optimizer's param groups (msgpack)."""
+
+    name: str
+    state: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """Scalar metrics reported with a commit."""
+
+    values: dict[str, float]
+
+
+@dataclass(frozen=True)
+class SnapshotBegin:
+    """A snapshot covering every event with gsn <= gsn_watermark is being written."""
+
+    snapshot_id: str
+    gsn_watermark: int
+    fencing_token: int
+
+
+@dataclass(frozen=True)
+class SnapshotEnd:
+    """A snapshot is complete; without this marker it does not exist for recovery."""
+
+    snapshot_id: str
+    next_offsets: tuple[int, ...]
+    applied_gsns: tuple[int, ...]
+    manifest_digest: bytes
+    manifest_uri: str
+    fencing_token: int
+
+
+SmallState = Union[SchedulerStep, RngAdvance, SamplerCursor, CustomState]
+Body = Union[
+    RunStarted,
+    TensorDelta,
+    CommitSealed,
+    SchedulerStep,
+    RngAdvance,
+    SamplerCursor,
+    Metrics,
+    SnapshotBegin,
+    SnapshotEnd,
+    CustomState,
+]
+
+BODY_TYPES: dict[str, type[Any]] = {
+    f"rewind.{cls.__name__}": cls
+    for cls in (
+        RunStarted,
+        TensorDelta,
+        CommitSealed,
+        SchedulerStep,
+        RngAdvance,
+        SamplerCursor,
+        Metrics,
+        SnapshotBegin,
+        SnapshotEnd,
+        CustomState,
+    )
+}
+SMALL_STATE_TYPES = (SchedulerStep, RngAdvance, SamplerCursor, CustomState)
+
+
+def _to_avro(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _to_avro(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, tuple):
+        return [_to_avro(v) for v in value]
+    return value
+
+
+def _from_avro(cls: type[Any], data: dict[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        v = data[f.name]
+        if f.name == "tensors":
+            v = tuple(_from_avro(TensorSpec, t) for t in v)
+        elif isinstance(v, list):
+            v = tuple(v)
+        kwargs[f.name] = v
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """Every event: its place in the run's global order, and its body."""
+
+    run_id: str
+    gsn: int
+    version: int
+    step: int
+    shard: int
+    writer: str
+    time_ms: int
+    body: Body
+
+    def to_avro(self) -> dict[str, Any]:
+        """The record fastavro writes (the union branch named explicitly)."""
+        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record["body"] = (f"rewind.{type(self.body).__name__}", _to_avro(self.body))
+        return record
+
+    @classmethod
+    def from_avro(cls, record: dict[str, Any]) -> Envelope:
+        """Build from a record read with ``return_record_name=True``."""
+        name, body = record["body"]
+        body_cls = BODY_TYPES[name]
+        fields = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name != "body"}
+        return cls(**fields, body=_from_avro(body_cls, body))
+
+    @property
+    def kind(self) -> str:
+        """The body's type name, e.g. ``TensorDelta``."""
+        return type(self.body).__name__

@@ -1,0 +1,287 @@
+"""Folding a run's log into state: the control partition, then each shard, to a target.
+
+The control partition is indexed first (its seals say which versions exist and at which
+step), the target is resolved to a version, then every shard is folded from its start
+offset up to that version under the exactly-once rule, and verified against the seal.
+Shards fold in parallel threads: decompression, XOR and hashing release the GIL.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from . import serde
+from .apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
+from .digests import small_digest
+from .errors import (
+    DigestMismatchError,
+    IntegrityError,
+    RunNotFoundError,
+    TargetNotFoundError,
+    TruncatedHistoryError,
+    WrongRunError,
+)
+from .events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
+from .ports import CONTROL, EventLog
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where to replay to: ``latest``, or a ``version``, ``step``, ``gsn`` or control ``offset``."""
+
+    kind: str = "latest"
+    value: int | None = None
+
+    KINDS = ("latest", "version", "step", "gsn", "offset")
+
+    @classmethod
+    def parse(cls, text: str) -> Target:
+        """Parse ``latest``, ``version=V``, ``step=N``, ``gsn=G`` or ``offset=P``."""
+        if text == "latest":
+            return cls()
+        kind, _, raw = text.partition("=")
+        if kind not in cls.KINDS[1:] or not raw.strip().lstrip("-").isdigit():
+            raise TargetNotFoundError(
+                f"bad replay target {text!r}: use latest, version=V, step=N, gsn=G or offset=P"
+            )
+        return cls(kind, int(raw))
+
+    def __str__(self) -> str:
+        return self.kind if self.value is None else f"{self.kind}={self.value}"
+
+
+@dataclass(frozen=True)
+class SealInfo:
+    """Where and what a version's seal is."""
+
+    version: int
+    step: int
+    gsn: int
+    offset: int
+    time_ms: int
+    writer: str
+    seal: CommitSealed
+
+
+@dataclass
+class ControlIndex:
+    """What one scan of the control partition learned: layouts, seals, snapshot markers."""
+
+    run_started: list[tuple[int, Envelope]] = field(default_factory=list)  # (offset, event)
+    seals: dict[int, SealInfo] = field(default_factory=dict)
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    markers: list[tuple[int, Envelope]] = field(default_factory=list)
+    start_offset: int = 0
+    end_offset: int = 0
+
+    def latest_version(self) -> int:
+        """The newest sealed version (0: none)."""
+        return max(self.seals, default=0)
+
+    def layout_at(self, version: int) -> RunStarted:
+        """The run layout in force at ``version``."""
+        chosen = None
+        for _, env in self.run_started:
+            if env.version <= version:
+                chosen = env.body
+        if chosen is None:
+            raise RunNotFoundError("the log has no RunStarted event")
+        assert isinstance(chosen, RunStarted)
+        return chosen
+
+    def resolve(self, target: Target) -> int:
+        """The version a target names; a clear error if there is none."""
+        if not self.seals:
+            raise TargetNotFoundError("the run has no sealed version yet")
+        infos = sorted(self.seals.values(), key=lambda i: i.version)
+        oldest = infos[0]
+        if target.kind == "latest":
+            return infos[-1].version
+        if target.kind == "version":
+            if target.value in self.seals:
+                return int(target.value)
+            found = None
+        else:
+            key: Callable[[SealInfo], int] = {
+                "step": lambda i: i.step, "gsn": lambda i: i.gsn, "offset": lambda i: i.offset,
+            }[target.kind]
+            eligible = [i for i in infos if key(i) <= (target.value or 0)]
+            found = eligible[-1].version if eligible else None
+        if found is not None:
+            return found
+        reachable = (
+            f"oldest reachable: version {oldest.version}, step {oldest.step}, gsn {oldest.gsn},"
+            f" control offset {oldest.offset}; newest: version {infos[-1].version}, step {infos[-1].step}"
+        )
+        if self.start_offset > 0:
+            raise TruncatedHistoryError(f"{target} lies in truncated history; {reachable}")
+        raise TargetNotFoundError(f"no sealed version at {target}; {reachable}")
+
+
+def events(
+    log: EventLog, partition: int, *, gt: int | None = None, lte: int | None = None,
+) -> Iterator[tuple[int, int, Envelope]]:
+    """``(offset, message bytes, event)`` of a partition, checking each event's run id."""
+    where_p = "control" if partition == CONTROL else f"shard {partition}"
+    for rec in log.scan(partition, gt=gt, lte=lte):
+        where = f"run {log.run_id!r} {where_p} offset {rec.offset}"
+        env = serde.decode(rec.value, where)
+        if env.run_id != log.run_id:
+            raise WrongRunError(f"{where}: event belongs to run {env.run_id!r}")
+        yield rec.offset, len(rec.value), env
+
+
+def index_control(log: EventLog) -> ControlIndex:
+    """Scan the control partition once: seals, layouts, metrics and snapshot markers."""
+    idx = ControlIndex(start_offset=log.start_offset(CONTROL), end_offset=log.end_offset(CONTROL))
+    for offset, _, env in events(log, CONTROL, lte=idx.end_offset - 1):
+        body = env.body
+        if isinstance(body, RunStarted):
+            idx.run_started.append((offset, env))
+        elif isinstance(body, CommitSealed):
+            if env.version not in idx.seals:  # a duplicate seal is redelivery, not news
+                idx.seals[env.version] = SealInfo(
+                    env.version, env.step, env.gsn, offset, env.time_ms, env.writer, body
+                )
+        elif isinstance(body, Metrics):
+            idx.metrics.setdefault(env.version, dict(body.values))
+        elif env.kind in ("SnapshotBegin", "SnapshotEnd"):
+            idx.markers.append((offset, env))
+    if not idx.run_started and idx.start_offset == 0:
+        if idx.end_offset == 0:
+            raise RunNotFoundError(f"run {log.run_id!r} has no events in {log.url}")
+        raise RunNotFoundError(f"run {log.run_id!r}: the control partition has no RunStarted")
+    return idx
+
+
+@dataclass
+class SmallStates:
+    """Small states (msgpack bytes by name) folded from the control partition."""
+
+    states: dict[str, bytes] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)
+    applied_gsn: int = 0
+    counts: ApplyCounts = field(default_factory=ApplyCounts)
+
+
+def fold_control(
+    log: EventLog,
+    idx: ControlIndex,
+    version: int,
+    start: SmallStates | None = None,
+    gt_offset: int | None = None,
+) -> SmallStates:
+    """Apply the small-state events of every sealed version up to ``version``."""
+    state = start or SmallStates()
+    seal_offset = idx.seals[version].offset
+    sealed = {v for v in idx.seals if v <= version}
+    t0 = time.perf_counter()
+    for _, nbytes, env in events(log, CONTROL, gt=gt_offset, lte=seal_offset):
+        if not isinstance(env.body, SMALL_STATE_TYPES):
+            continue
+        outcome = classify(env, state.applied_gsn, 0, sealed)
+        if outcome == APPLIED:
+            state.states[env.body.name] = env.body.state
+            state.kinds[env.body.name] = env.kind
+            state.applied_gsn = env.gsn
+        state.counts.add(outcome, nbytes)
+    state.counts.seconds = time.perf_counter() - t0
+    return state
+
+
+def fold_shard(
+    log: EventLog,
+    state: ShardState,
+    idx: ControlIndex,
+    version: int,
+    gt_offset: int | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+) -> ShardState:
+    """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one."""
+    sealed = {v for v in idx.seals if v <= version}
+    t0 = time.perf_counter()
+    end = log.end_offset(state.shard) - 1
+    for offset, nbytes, env in events(log, state.shard, gt=gt_offset, lte=end):
+        if env.version > version:
+            break  # one writer per partition: versions never go back after this
+        where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
+        state.apply(env, sealed, nbytes, where)
+        if on_bytes is not None:
+            on_bytes(nbytes)
+    state.counts.seconds = time.perf_counter() - t0
+    return state
+
+
+@dataclass
+class RebuiltState:
+    """A run's state at one version, verified against that version's seal."""
+
+    run_id: str
+    version: int
+    step: int
+    layout: RunStarted
+    shards: list[ShardState]
+    small: SmallStates
+    seal: SealInfo
+    counts: ApplyCounts
+    per_shard: dict[int, ApplyCounts]
+    index: ControlIndex
+
+    def tensors(self) -> Mapping[str, object]:
+        """Every tensor's rebuilt bits by name."""
+        return {n: t for s in self.shards for n, t in s.tensors.items()}
+
+
+def verify_small(small: SmallStates, seal: SealInfo) -> None:
+    """Fail unless the folded small states match the seal's digest."""
+    got = small_digest(small.states)
+    if got != seal.seal.small_digest:
+        raise DigestMismatchError(
+            f"small states rebuilt to version {seal.version} have digest {got.hex()}, but the "
+            f"seal records {seal.seal.small_digest.hex()}"
+        )
+
+
+def rebuild(
+    log: EventLog,
+    target: Target = Target(),
+    *,
+    workers: int = 2,
+    on_bytes: Callable[[int], None] | None = None,
+    idx: ControlIndex | None = None,
+) -> RebuiltState:
+    """Rebuild and verify the state at ``target`` from the whole log (no snapshot)."""
+    idx = idx or index_control(log)
+    version = idx.resolve(target)
+    layout = idx.layout_at(version)
+    if log.start_offset(CONTROL) > 0:
+        raise TruncatedHistoryError(
+            f"run {log.run_id!r}: the log below control offset {log.start_offset(CONTROL)} was "
+            "truncated; rebuilding needs a snapshot"
+        )
+    info = idx.seals[version]
+    small = fold_control(log, idx, version)
+    verify_small(small, info)
+
+    def one(shard: int) -> ShardState:
+        state = fold_shard(log, ShardState(shard), idx, version, on_bytes=on_bytes)
+        state.drop_unlisted(layout.tensors)
+        verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, {
+            v: s.seal for v, s in idx.seals.items()}, 0)
+        return state
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        shards = list(pool.map(one, range(layout.shard_count)))
+    total = small.counts
+    per_shard = {}
+    for s in shards:
+        per_shard[s.shard] = s.counts
+        total = total.merged(s.counts)
+    if len(info.seal.shard_counts) != layout.shard_count:
+        raise IntegrityError(f"seal of version {version} counts {len(info.seal.shard_counts)} shards")
+    return RebuiltState(
+        log.run_id, version, info.step, layout, shards, small, info, total, per_shard, idx
+    )

@@ -1,0 +1,34 @@
+"""Tuning constants in one place, each overridable from the environment (``REWIND_<NAME>``)."""
+
+from __future__ import annotations
+
+import os
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(f"REWIND_{name}")
+    return int(raw) if raw else default
+
+
+#: Raw bytes of tensor bits per chunk; a chunk is one log message. A multiple of 16 so that
+#: every dtype's elements stay whole inside a chunk.
+CHUNK_BYTES = _int("CHUNK_BYTES", 4 * 1024 * 1024)
+#: Compression level for blosc2's zstd (chosen by ``benchmarks/codec_choice``).
+ZSTD_LEVEL = _int("ZSTD_LEVEL", 1)
+#: Threads that encode and decode chunks (0: one per core).
+CODEC_THREADS = _int("CODEC_THREADS", 0)
+#: Commits that may be queued behind the one being written before ``commit()`` blocks.
+MAX_INFLIGHT = _int("MAX_INFLIGHT", 1)
+#: Default number of tensor shards of a new run.
+SHARDS = _int("SHARDS", 2)
+#: Records fetched per read call while folding a partition.
+READ_BATCH = _int("READ_BATCH", 256)
+#: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
+MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
+#: Upper bound on one msgpack small state (bytes).
+MAX_SMALL_STATE_BYTES = _int("MAX_SMALL_STATE_BYTES", 256 * 1024**2)
+
+
+def codec_threads() -> int:
+    """Threads for chunk encode/decode: the knob, or one per core."""
+    return CODEC_THREADS or (os.cpu_count() or 1)

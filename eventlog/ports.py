@@ -1,0 +1,186 @@
+"""The two ports every backend implements: ``EventLog`` (the truth) and ``Coordinator`` (a cache).
+
+A run's log has a control partition (``CONTROL = -1``: run layout, small states, seals,
+snapshot markers, in global commit order) and one partition per tensor shard (0..S-1).
+Offsets are per partition and dense; only committed transactions are ever visible.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+from .events import CONTROL_SHARD
+
+CONTROL = CONTROL_SHARD
+
+
+@dataclass(frozen=True)
+class Record:
+    """One committed message of a partition."""
+
+    partition: int
+    offset: int
+    value: bytes
+
+
+class LogTransaction(abc.ABC):
+    """Messages appended inside one atomic transaction."""
+
+    @abc.abstractmethod
+    def append(self, partition: int, value: bytes) -> None:
+        """Queue one message for ``partition``; visible only if the transaction commits."""
+
+
+class LogWriter(abc.ABC):
+    """The single writer of a run's partitions, identified (and fenced) by its writer id."""
+
+    writer_id: str
+
+    @abc.abstractmethod
+    def transaction(self) -> AbstractContextManager[LogTransaction]:
+        """Open a transaction: committed when the block exits, aborted if it raises.
+
+        Raises ``FencedError`` at commit if a newer writer with the same id took over.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the writer's resources."""
+
+
+class EventLog(abc.ABC):
+    """One run's log."""
+
+    run_id: str
+    url: str
+
+    @abc.abstractmethod
+    def create(self, shards: int) -> None:
+        """Create the run's partitions (control + ``shards``); a no-op if they exist."""
+
+    @abc.abstractmethod
+    def shard_count(self) -> int | None:
+        """Number of tensor shards, or ``None`` if the run does not exist in this log."""
+
+    @abc.abstractmethod
+    def writer(self, writer_id: str) -> LogWriter:
+        """Become the writer ``writer_id``, fencing any older writer with that id."""
+
+    @abc.abstractmethod
+    def read(
+        self, partition: int, *, gt: int | None = None, lte: int | None = None,
+        limit: int | None = None,
+    ) -> list[Record]:
+        """Committed records of ``partition`` with ``gt < offset <= lte``, oldest first."""
+
+    @abc.abstractmethod
+    def end_offset(self, partition: int) -> int:
+        """The offset the next committed record of ``partition`` will get."""
+
+    @abc.abstractmethod
+    def start_offset(self, partition: int) -> int:
+        """The oldest offset still held (records below it were truncated)."""
+
+    @abc.abstractmethod
+    def truncate_before(self, partition: int, offset: int) -> None:
+        """Delete the records of ``partition`` below ``offset``."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections."""
+
+    def partitions(self) -> list[int]:
+        """Control first, then every shard partition."""
+        return [CONTROL, *range(self.shard_count() or 0)]
+
+    def scan(
+        self, partition: int, *, gt: int | None = None, lte: int | None = None,
+        batch: int = 256,
+    ) -> Iterator[Record]:
+        """Every committed record of ``partition`` in ``(gt, lte]``, fetched in batches."""
+        cursor = gt
+        while True:
+            records = self.read(partition, gt=cursor, lte=lte, limit=batch)
+            if not records:
+                return
+            yield from records
+            cursor = records[-1].offset
+
+    def __enter__(self) -> EventLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Coordinator(abc.ABC):
+    """Coordination state: a cache that can always be rebuilt from the log."""
+
+    url: str
+
+    @abc.abstractmethod
+    def current_version(self, run: str) -> int:
+        """The run's newest committed version as the coordinator knows it (0: none)."""
+
+    @abc.abstractmethod
+    def compare_and_set_version(self, run: str, expected: int, new: int) -> None:
+        """Move the version from ``expected`` to ``new`` atomically, or raise ``StaleVersionError``."""
+
+    @abc.abstractmethod
+    def reset_version(self, run: str, version: int) -> None:
+        """Overwrite the version with the one the log proves (rebuild after loss)."""
+
+    @abc.abstractmethod
+    def allocate_gsns(self, run: str, count: int) -> int:
+        """Reserve ``count`` consecutive gsns; returns the first."""
+
+    @abc.abstractmethod
+    def raise_gsn_floor(self, run: str, floor: int) -> None:
+        """Ensure every later allocation is above ``floor`` (rebuild after loss)."""
+
+    @abc.abstractmethod
+    def catalog_put(self, run: str, snapshot_id: str, entry: dict[str, Any]) -> None:
+        """Cache one snapshot's catalog entry."""
+
+    @abc.abstractmethod
+    def catalog(self, run: str) -> dict[str, dict[str, Any]]:
+        """Every cached snapshot entry of the run."""
+
+    @abc.abstractmethod
+    def catalog_delete(self, run: str, snapshot_id: str) -> None:
+        """Forget one snapshot entry."""
+
+    @abc.abstractmethod
+    def acquire_lease(self, name: str, holder: str, ttl_s: float) -> int | None:
+        """Take or renew lease ``name`` for ``holder``; returns its fencing token, or ``None``
+        if another holder has it. A new holder always gets a larger token."""
+
+    @abc.abstractmethod
+    def release_lease(self, name: str, holder: str) -> None:
+        """Give the lease up if ``holder`` has it."""
+
+    @abc.abstractmethod
+    def lease_token(self, name: str) -> int:
+        """The newest fencing token issued for ``name`` (0: never)."""
+
+    @abc.abstractmethod
+    def report_follower(self, run: str, follower: str, version: int) -> None:
+        """Record the version a follower (actor) runs."""
+
+    @abc.abstractmethod
+    def followers(self, run: str) -> dict[str, dict[str, int]]:
+        """Each follower's ``version`` and ``time_ms`` of its last report."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections."""
+
+    def __enter__(self) -> Coordinator:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

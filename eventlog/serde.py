@@ -1,0 +1,75 @@
+"""Avro single-object encoding of envelopes: ``C3 01``, 8-byte CRC-64-AVRO fingerprint, body.
+
+Any Avro implementation can decode these messages with the ``.avsc`` files alone. Old
+schema versions are resolved to the current one, so old logs stay readable.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import fastavro
+
+import schemas
+
+from .errors import CorruptMessageError, UnknownSchemaError
+from .events import Envelope
+
+MAGIC = b"\xc3\x01"
+HEADER_BYTES = 10
+
+
+class EnvelopeSerializer:
+    """Encodes envelopes with the current schema; a callable ``(envelope) -> bytes``."""
+
+    def __init__(self, version: int = schemas.SCHEMA_VERSION) -> None:
+        self._schema = schemas.load(version)
+        self._header = MAGIC + self._schema.fingerprint
+
+    def __call__(self, envelope: Envelope) -> bytes:
+        buf = io.BytesIO()
+        buf.write(self._header)
+        fastavro.schemaless_writer(buf, self._schema.parsed, envelope.to_avro())
+        return buf.getvalue()
+
+
+class EnvelopeDeserializer:
+    """Decodes single-object messages of any known schema version; ``(bytes, where) -> Envelope``."""
+
+    def __init__(self) -> None:
+        self._current = schemas.load()
+        self._known = schemas.by_fingerprint()
+
+    def __call__(self, data: bytes, where: str = "message") -> Envelope:
+        if len(data) < HEADER_BYTES or data[:2] != MAGIC:
+            raise CorruptMessageError(
+                f"{where}: not an Avro single-object message (got {bytes(data[:2]).hex() or 'nothing'},"
+                f" want c301, {len(data)} bytes)"
+            )
+        fp = bytes(data[2:HEADER_BYTES])
+        writer = self._known.get(fp)
+        if writer is None:
+            raise UnknownSchemaError(
+                f"{where}: unknown schema fingerprint {fp.hex()}; known: "
+                + ", ".join(f"v{s.version}={s.fingerprint.hex()}" for s in self._known.values())
+            )
+        reader = None if writer is self._current else self._current.parsed
+        buf = io.BytesIO(data)
+        buf.seek(HEADER_BYTES)
+        try:
+            record: Any = fastavro.schemaless_reader(
+                buf, writer.parsed, reader, return_record_name=True
+            )
+            envelope = Envelope.from_avro(record)
+        except Exception as exc:  # fastavro raises many kinds on garbage: normalise them
+            raise CorruptMessageError(f"{where}: corrupt Avro body ({type(exc).__name__}: {exc})") from exc
+        if buf.tell() != len(data):
+            raise CorruptMessageError(
+                f"{where}: {len(data) - buf.tell()} trailing bytes after the Avro body"
+            )
+        return envelope
+
+
+encode = EnvelopeSerializer()
+decode = EnvelopeDeserializer()

@@ -1,0 +1,240 @@
+"""The exact tensor delta codec: XOR against the last committed bits, shuffle, compress, chunk.
+
+A tensor's raw bits are cut into chunks of ``knobs.CHUNK_BYTES``. Each chunk is encoded
+on its own, so chunks encode and decode in parallel and each fits one log message:
+
+* ``XOR``: new bits XOR the bits of ``base_version``; unchanged chunks are not written at all.
+* ``FULL``: the bits themselves; used on a tensor's first commit, and whenever the XOR
+  delta compresses worse than the bits do.
+
+Compression is blosc2 (byte shuffle + zstd level 1, measured best, see README), or ``none``
+when compressing does not pay. Every chunk carries the xxh3-128 of the bits it produces,
+checked on decode: a damaged payload is never applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import blosc2
+import numpy as np
+import torch
+import xxhash
+
+from . import knobs
+from .errors import CorruptMessageError, DecodeError
+from .events import TensorDelta
+
+#: torch dtypes Rewind records, by the name used in events.
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float32, torch.float64, torch.float16, torch.bfloat16,
+        torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
+        torch.complex64, torch.complex128,
+    )
+}
+COMPRESSIONS = ("none", "blosc2-zstd")
+#: Above this compressed/raw ratio, an XOR chunk is also tried as FULL.
+_TRY_FULL_ABOVE = 0.85
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The event name of a torch dtype (``torch.bfloat16`` -> ``bfloat16``)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise DecodeError(f"dtype {name} is not supported; supported: {', '.join(DTYPES)}")
+    return name
+
+
+def torch_dtype(name: str, where: str = "event") -> torch.dtype:
+    """The torch dtype of an event's dtype name, or a clear error naming it."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise DecodeError(f"{where}: unknown dtype {name!r}") from None
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a dtype name."""
+    return torch.empty((), dtype=torch_dtype(name)).element_size()
+
+
+def nbytes_of(dtype: str, shape: tuple[int, ...], where: str = "event") -> int:
+    """Byte size of a tensor, validated against negative dims and ``knobs.MAX_TENSOR_BYTES``."""
+    n = itemsize(dtype)
+    for d in shape:
+        if d < 0:
+            raise DecodeError(f"{where}: negative dimension in shape {shape}")
+        n *= d
+        if n > knobs.MAX_TENSOR_BYTES:
+            raise DecodeError(
+                f"{where}: shape {shape} of {dtype} needs more than the "
+                f"{knobs.MAX_TENSOR_BYTES} bytes allowed (REWIND_MAX_TENSOR_BYTES)"
+            )
+    return n
+
+
+def tensor_bits(t: torch.Tensor) -> np.ndarray:
+    """A uint8 numpy view of a CPU tensor's raw bits (no copy when contiguous)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dim() == 0:
+        t = t.reshape(1)
+    # Viewing as uint8 keeps dtypes numpy lacks (bfloat16) bit-exact.
+    return t.view(torch.uint8).numpy().reshape(-1) if t.numel() else np.empty(0, np.uint8)
+
+
+def bits_to_tensor(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor that owns a copy of ``bits`` reinterpreted as ``dtype`` / ``shape``."""
+    t = torch.from_numpy(bits.copy()).view(torch_dtype(dtype))
+    return t.reshape(shape)
+
+
+def digest(bits: np.ndarray | bytes | memoryview) -> bytes:
+    """xxh3-128 of raw bits."""
+    return xxhash.xxh3_128_digest(bits)
+
+
+def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each chunk of a tensor of ``nbytes`` raw bytes."""
+    step = max(16, chunk_bytes - chunk_bytes % 16)
+    return [(off, min(step, nbytes - off)) for off in range(0, nbytes, step)]
+
+
+@dataclass(frozen=True)
+class EncodedChunk:
+    """One encoded chunk, ready to become a ``TensorDelta`` body."""
+
+    chunk_index: int
+    chunk_count: int
+    byte_offset: int
+    byte_length: int
+    encoding: str
+    compression: str
+    base_version: int
+    digest: bytes
+    payload: bytes
+
+
+def _compress(data: np.ndarray, typesize: int) -> bytes:
+    return bytes(
+        blosc2.compress2(
+            data, typesize=typesize, clevel=knobs.ZSTD_LEVEL, codec=blosc2.Codec.ZSTD,
+            filters=[blosc2.Filter.SHUFFLE], nthreads=1,
+        )
+    )
+
+
+def encode_chunk(
+    new: np.ndarray,
+    prev: np.ndarray | None,
+    *,
+    typesize: int,
+    base_version: int,
+    index: int,
+    count: int,
+    offset: int,
+) -> EncodedChunk | None:
+    """Encode one chunk of new bits against the previous bits; ``None`` if nothing changed."""
+    if prev is not None:
+        if np.array_equal(new, prev):
+            return None
+        delta = np.bitwise_xor(new, prev)
+        payload, encoding = _compress(delta, typesize), TensorDelta.XOR
+        if len(payload) > _TRY_FULL_ABOVE * len(new):
+            full = _compress(new, typesize)
+            if len(full) < len(payload):
+                payload, encoding = full, TensorDelta.FULL
+    else:
+        payload, encoding = _compress(new, typesize), TensorDelta.FULL
+    compression = "blosc2-zstd"
+    if len(payload) >= len(new):
+        # Incompressible bits: store them raw (FULL) rather than pay for a decompress.
+        payload, encoding, compression = new.tobytes(), TensorDelta.FULL, "none"
+    return EncodedChunk(
+        chunk_index=index,
+        chunk_count=count,
+        byte_offset=offset,
+        byte_length=len(new),
+        encoding=encoding,
+        compression=compression,
+        base_version=base_version if encoding == TensorDelta.XOR else -1,
+        digest=digest(new),
+        payload=payload,
+    )
+
+
+def encode_tensor(
+    new: np.ndarray,
+    prev: np.ndarray | None,
+    *,
+    typesize: int,
+    base_version: int,
+    chunk_bytes: int | None = None,
+) -> list[EncodedChunk]:
+    """Encode every changed chunk of a tensor (sequentially; callers parallelise over chunks)."""
+    ranges = chunk_ranges(len(new), chunk_bytes or knobs.CHUNK_BYTES)
+    out = []
+    for i, (off, n) in enumerate(ranges):
+        chunk = encode_chunk(
+            new[off : off + n], None if prev is None else prev[off : off + n],
+            typesize=typesize, base_version=base_version, index=i, count=len(ranges), offset=off,
+        )
+        if chunk is not None:
+            out.append(chunk)
+    return out
+
+
+def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
+    """Apply one chunk to a tensor's raw bits in place, after validating every field.
+
+    ``bits`` is the tensor's whole uint8 buffer. On any error nothing is written to it.
+    """
+    total = len(bits)
+    off, n = delta.byte_offset, delta.byte_length
+    if not (0 <= delta.chunk_index < delta.chunk_count) or off < 0 or n <= 0 or off + n > total:
+        raise CorruptMessageError(
+            f"{where}: chunk {delta.chunk_index}/{delta.chunk_count} range "
+            f"[{off}, {off + n}) is outside tensor {delta.name!r} of {total} bytes"
+        )
+    if delta.encoding not in (TensorDelta.FULL, TensorDelta.XOR):
+        raise CorruptMessageError(f"{where}: unknown encoding {delta.encoding!r}")
+    if delta.compression == "none":
+        if len(delta.payload) != n:
+            raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {n}")
+        plain = np.frombuffer(delta.payload, dtype=np.uint8)
+    elif delta.compression == "blosc2-zstd":
+        plain = _decompress(delta.payload, n, where)
+    else:
+        raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
+    target = bits[off : off + n]
+    produced = plain if delta.encoding == TensorDelta.FULL else np.bitwise_xor(target, plain)
+    if digest(produced) != delta.digest:
+        raise CorruptMessageError(
+            f"{where}: chunk {delta.chunk_index} of tensor {delta.name!r} produces bits whose "
+            f"xxh3 digest {digest(produced).hex()} differs from the recorded {delta.digest.hex()}"
+        )
+    target[:] = produced
+
+
+def _decompress(payload: bytes, n: int, where: str) -> np.ndarray:
+    # Check blosc2's own header before handing it the buffer: a forged header must not
+    # make the decompressor allocate or write past what the event claims.
+    try:
+        nbytes, cbytes, _ = blosc2.get_cbuffer_sizes(payload)
+    except Exception as exc:
+        raise CorruptMessageError(f"{where}: compressed payload has no valid blosc2 header") from exc
+    if nbytes != n or cbytes != len(payload):
+        raise CorruptMessageError(
+            f"{where}: blosc2 header claims {nbytes} bytes from {cbytes}, "
+            f"event claims {n} from {len(payload)}"
+        )
+    out = np.empty(n, dtype=np.uint8)
+    try:
+        blosc2.decompress2(payload, dst=out)
+    except Exception as exc:
+        raise CorruptMessageError(f"{where}: payload does not decompress ({exc})") from exc
+    return out
