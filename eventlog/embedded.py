@@ -72,16 +72,23 @@ class _Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.conn().executescript(_SCHEMA)
 
+    def connect(self, shared: bool = False) -> sqlite3.Connection:
+        """A new connection; ``shared`` ones may move between threads (one at a time)."""
+        try:
+            c = sqlite3.connect(
+                self.path, timeout=60.0, isolation_level=None, check_same_thread=not shared
+            )
+            c.execute("PRAGMA journal_mode=WAL")
+            c.execute("PRAGMA synchronous=FULL")
+        except sqlite3.Error as exc:
+            raise self.wrap(exc) from exc
+        return c
+
     def conn(self) -> sqlite3.Connection:
+        """This thread's connection."""
         c: sqlite3.Connection | None = getattr(self._local, "conn", None)
         if c is None:
-            try:
-                c = sqlite3.connect(self.path, timeout=60.0, isolation_level=None)
-                c.execute("PRAGMA journal_mode=WAL")
-                c.execute("PRAGMA synchronous=FULL")
-            except sqlite3.Error as exc:
-                raise self.wrap(exc) from exc
-            self._local.conn = c
+            c = self._local.conn = self.connect()
         return c
 
     def wrap(self, exc: sqlite3.Error) -> RewindError:
@@ -94,9 +101,9 @@ class _Database:
         return self._error(f"embedded database {self.path}: {msg}")
 
     @contextmanager
-    def txn(self) -> Iterator[sqlite3.Connection]:
+    def txn(self, c: sqlite3.Connection | None = None) -> Iterator[sqlite3.Connection]:
         """BEGIN IMMEDIATE ... COMMIT, rolled back if the block raises."""
-        c = self.conn()
+        c = c or self.conn()
         try:
             c.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
@@ -163,12 +170,15 @@ class _Transaction(LogTransaction):
 class _Writer(LogWriter):
     def __init__(self, log: EmbeddedLog, writer_id: str, epoch: int) -> None:
         self._log, self.writer_id, self._epoch = log, writer_id, epoch
+        # Its own connection: readers in this process must not see an open transaction.
+        self._conn = log._db.connect(shared=True)
+        self._lock = threading.Lock()
 
     @contextmanager
     def transaction(self) -> Iterator[LogTransaction]:
         db = self._log._db
         try:
-            with db.txn() as conn:
+            with self._lock, db.txn(self._conn) as conn:
                 row = conn.execute(
                     "SELECT epoch FROM writers WHERE run=? AND writer=?",
                     (self._log.run_id, self.writer_id),
@@ -185,7 +195,7 @@ class _Writer(LogWriter):
             raise db.wrap(exc) from exc
 
     def close(self) -> None:
-        pass
+        self._conn.close()
 
 
 class EmbeddedLog(EventLog):

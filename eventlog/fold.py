@@ -95,7 +95,7 @@ class ControlIndex:
     def resolve(self, target: Target) -> int:
         """The version a target names; a clear error if there is none."""
         if not self.seals:
-            raise TargetNotFoundError("the run has no sealed version yet")
+            raise RunNotFoundError("the run has no sealed version yet")
         infos = sorted(self.seals.values(), key=lambda i: i.version)
         oldest = infos[0]
         if target.kind == "latest":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 
 def _int(name: str, default: int) -> int:
@@ -32,3 +33,15 @@ MAX_SMALL_STATE_BYTES = _int("MAX_SMALL_STATE_BYTES", 256 * 1024**2)
 def codec_threads() -> int:
     """Threads for chunk encode/decode: the knob, or one per core."""
     return CODEC_THREADS or (os.cpu_count() or 1)
+
+
+#: Fault injection for crash tests: ``REWIND_FAULT_KILL=<version>:<event index>`` makes the
+#: recorder SIGKILL its own process inside that version's log transaction, after appending
+#: that many events. Unset in production; read once at import.
+_FAULT_KILL = os.environ.get("REWIND_FAULT_KILL", "")
+
+
+def fault_point(version: int, index: int) -> None:
+    """SIGKILL this process if ``REWIND_FAULT_KILL`` names this point of a commit."""
+    if _FAULT_KILL and _FAULT_KILL == f"{version}:{index}":
+        os.kill(os.getpid(), signal.SIGKILL)

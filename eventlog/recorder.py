@@ -24,7 +24,13 @@ from . import knobs, serde, statecodec, tensorcodec
 from .backends import RunAddress
 from .capture import GlobalRng, Stateful, check_model_fits, flatten, unflatten
 from .digests import shard_digest, small_digest, state_digest, tensor_digest
-from .errors import ConfigError, RewindError, StaleVersionError, StateMismatchError
+from .errors import (
+    ConfigError,
+    RewindError,
+    RunNotFoundError,
+    StaleVersionError,
+    StateMismatchError,
+)
 from .events import (
     CONTROL_SHARD,
     Body,
@@ -219,9 +225,15 @@ class Recorder:
         self._check_usable()
         self.flush()
         t0 = time.perf_counter()
-        if self._log.shard_count() is None:
-            return RestoreResult(step=None, version=0)
-        state = (self._restorer or (lambda log: rebuild(log, Target())))(self._log)
+        try:
+            if self._log.shard_count() is None:
+                raise RunNotFoundError(self.run_id)
+            state = (self._restorer or (lambda log: rebuild(log, Target())))(self._log)
+        except RunNotFoundError:
+            # No sealed version (a crash inside the very first commit leaves none): fresh run,
+            # and the coordinator forgets any version the crashed commit had claimed.
+            self._coord.reset_version(self.run_id, 0)
+            return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
         recorded = {s.name: (s.dtype, tuple(s.shape)) for s in state.layout.tensors}
         for role in TENSOR_ROLES:
             if role in self._objects:
@@ -374,7 +386,8 @@ class Recorder:
             now = int(time.time() * 1000)
             with self._writer.transaction() as txn:
                 gsn = first
-                for shard, body in bodies + [(CONTROL, b) for b in control]:
+                for i, (shard, body) in enumerate(bodies + [(CONTROL, b) for b in control]):
+                    knobs.fault_point(version, i)
                     env = Envelope(self.run_id, gsn, version, job.step,
                                    CONTROL_SHARD if shard == CONTROL else shard,
                                    self.writer_id, now, body)

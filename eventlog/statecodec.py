@@ -46,7 +46,7 @@ def _default(obj: Any) -> Any:
         raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
         return msgpack.ExtType(_EXT_TENSOR, pack([dtype_name(t.dtype), list(t.shape), raw]))
     if isinstance(obj, np.ndarray):
-        a = np.ascontiguousarray(obj)
+        a = np.ascontiguousarray(obj).reshape(obj.shape)  # ascontiguousarray makes 0-d arrays 1-d
         if a.dtype.str not in _NUMPY_DTYPES and a.dtype.str.replace(">", "<") not in _NUMPY_DTYPES:
             raise DecodeError(f"numpy dtype {a.dtype} cannot be recorded")
         return msgpack.ExtType(_EXT_NDARRAY, pack([a.dtype.str, list(a.shape), a.tobytes()]))

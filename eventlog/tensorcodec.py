@@ -89,6 +89,8 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
 
 def bits_to_tensor(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A tensor that owns a copy of ``bits`` reinterpreted as ``dtype`` / ``shape``."""
+    if bits.size == 0:  # torch cannot view an empty uint8 tensor as a wider dtype
+        return torch.empty(0, dtype=torch_dtype(dtype)).reshape(shape)
     t = torch.from_numpy(bits.copy()).view(torch_dtype(dtype))
     return t.reshape(shape)
 

@@ -1050,6 +1050,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=PPOConfig.epochs)
     p.add_argument("--minibatch-size", type=int, default=PPOConfig.minibatch_size)
     p.add_argument("--quiet", action="store_true", help="no per-update lines")
+    p.add_argument("--quiet-progress", action="store_true",
+                   help="print only 'update N' per finished update (for a parent's progress bar)")
     return p
 
 
@@ -1080,6 +1082,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return make_recorder(trainer, address)
 
     log = None if args.quiet else (lambda msg: print(msg, flush=True))
+    if args.quiet_progress:
+        def log(msg: str) -> None:
+            if msg.startswith("update "):
+                print(" ".join(msg.split()[:2]), flush=True)
     result = run(
         config,
         updates=args.updates,

@@ -1,0 +1,68 @@
+"""Shared fixtures: the backend matrix (embedded, and a real Kafka broker + redis-server).
+
+``scripts/test`` starts the services and exports ``REWIND_TEST_KAFKA`` (bootstrap) and
+``REWIND_TEST_REDIS`` (URL). Without them the kafka half of the matrix is skipped with a
+reason, unless ``REWIND_REQUIRE_SERVICES=1`` (set in CI), where their absence fails.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from eventlog import RunAddress
+
+KAFKA = os.environ.get("REWIND_TEST_KAFKA")
+REDIS = os.environ.get("REWIND_TEST_REDIS")
+REQUIRE = os.environ.get("REWIND_REQUIRE_SERVICES") == "1" or os.environ.get("CI") == "true"
+
+BACKENDS = ["embedded", "kafka"]
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = [f"rewind backends: embedded, kafka={KAFKA or 'not configured'}, redis={REDIS or '-'}"]
+    if KAFKA:
+        try:
+            from confluent_kafka.admin import AdminClient
+
+            md = AdminClient({"bootstrap.servers": KAFKA}).list_topics(timeout=10)
+            version = os.environ.get("REWIND_KAFKA_VERSION", "?")
+            lines.append(f"kafka broker: Apache Kafka {version}, {len(md.brokers)} broker(s) at {KAFKA}")
+        except Exception as exc:  # noqa: BLE001 - only a header
+            lines.append(f"kafka broker at {KAFKA} did not answer: {exc}")
+    return lines
+
+
+def services_or_skip() -> None:
+    """Skip (or, in CI, fail) a kafka-backend test when the services are not configured."""
+    if KAFKA and REDIS:
+        return
+    if REQUIRE:
+        pytest.fail("REWIND_TEST_KAFKA / REWIND_TEST_REDIS unset: run the suite via scripts/test")
+    pytest.skip("no Kafka/Redis configured (scripts/test starts them)")
+
+
+def make_address(backend: str, tmp_path: Path, run_id: str | None = None) -> RunAddress:
+    """A fresh run address on ``backend`` (each test gets its own run id / database)."""
+    run_id = run_id or f"t{uuid.uuid4().hex[:10]}"
+    if backend == "embedded":
+        url = f"sqlite://{tmp_path / 'rewind.db'}"
+        return RunAddress(url, url, run_id)
+    services_or_skip()
+    return RunAddress(f"kafka://{KAFKA}?prefix=rewindtest", str(REDIS), run_id)
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request: pytest.FixtureRequest) -> str:
+    """Each backend of the contract matrix."""
+    return str(request.param)
+
+
+@pytest.fixture
+def address(backend: str, tmp_path: Path) -> Iterator[RunAddress]:
+    """A fresh run on the current backend."""
+    yield make_address(backend, tmp_path)
