@@ -27,7 +27,10 @@ class RunAddress:
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], run_id: str | None = None) -> RunAddress:
         """The embedded run stored in ``run_dir``; the run id may be left out if there is one."""
-        url = f"sqlite://{Path(run_dir).resolve() / DB_NAME}"
+        db = Path(run_dir).resolve() / DB_NAME
+        url = f"sqlite://{db}"
+        if not db.exists():
+            raise ConfigError(f"no Rewind run in {run_dir}: {db} does not exist")
         if run_id is None:
             runs = list_runs(url)
             if len(runs) != 1:

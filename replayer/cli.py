@@ -144,7 +144,7 @@ def main() -> None:
     try:
         app(standalone_mode=False)
     except RewindError as exc:
-        err.print(f"error: {type(exc).__name__}: {exc}", markup=False, highlight=False)
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

@@ -1,0 +1,55 @@
+"""The ``rewind`` command as a user runs it: the demo, replay, recover and history."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def _rewind(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", "from replayer.cli import main; main()", *args],
+                          capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_demo_prints_bit_exact_yes_and_recover_writes_a_safe_checkpoint(tmp_path: Path) -> None:
+    run_dir = tmp_path / "demo"
+    demo = _rewind("demo", "--run-dir", str(run_dir), "--updates", "8", "--kill-at", "5")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    lines = demo.stdout.strip().splitlines()
+    assert lines[-1] == "bit-exact: yes"
+    assert "killed (SIGKILL) during update" in demo.stdout
+
+    recorded = run_dir / "recorded"
+    hist = _rewind("history", "--run-dir", str(recorded), "--json")
+    assert hist.returncode == 0, hist.stderr
+    rows = json.loads(hist.stdout)
+    assert [r["version"] for r in rows] == list(range(1, 9))
+    assert [r["step"] for r in rows] == list(range(8))
+
+    rep = _rewind("replay", "--run-dir", str(recorded), "--to", "step=3", "--json")
+    assert rep.returncode == 0, rep.stderr
+    report = json.loads(rep.stdout)
+    assert (report["version"], report["step"], report["skipped_duplicate"]) == (4, 3, 0)
+
+    out = tmp_path / "ckpt"
+    rec = _rewind("recover", "--run-dir", str(recorded), "--out", str(out))
+    assert rec.returncode == 0, rec.stderr
+    model = torch.load(out / "model.pt", weights_only=True)
+    optim = torch.load(out / "optimizer.pt", weights_only=True)
+    assert any(k.endswith("weight") for k in model) and "param_groups" in optim
+    assert json.loads((out / "recovery.json").read_text())["version"] == 8
+    assert (out / "rng.msgpack").exists() and (out / "env.msgpack").exists()
+
+
+def test_unknown_target_and_missing_run_give_one_clear_line(tmp_path: Path) -> None:
+    missing = _rewind("replay", "--run-dir", str(tmp_path / "nowhere"))
+    assert missing.returncode == 2
+    assert "no Rewind run in" in missing.stderr and "Traceback" not in missing.stderr
+    bad = _rewind("replay", "--log", "sqlite:///x.db", "--run", "r", "--to", "yesterday")
+    assert bad.returncode == 2 and "bad replay target 'yesterday'" in bad.stderr
