@@ -71,6 +71,8 @@ class ShardState:
     #: gsn covered by the snapshot this state was loaded from (0: none).
     snapshot_gsn: int = 0
     version: int = 0
+    #: The offset after the last record folded (where a follow-up fold continues).
+    next_offset: int = 0
     counts: ApplyCounts = field(default_factory=ApplyCounts)
     applied_per_version: Counter[int] = field(default_factory=Counter)
 

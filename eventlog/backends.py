@@ -23,6 +23,8 @@ class RunAddress:
     log_url: str
     coord_url: str
     run_id: str
+    #: Where the run's snapshots live (``file://DIR``); read by the snapshotter and replayer.
+    snapshots_url: str | None = None
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], run_id: str | None = None) -> RunAddress:
@@ -38,7 +40,7 @@ class RunAddress:
                     f"{run_dir} holds {len(runs)} runs ({', '.join(runs) or 'none'}); pass --run"
                 )
             run_id = runs[0]
-        return cls(url, url, run_id)
+        return cls(url, url, run_id, f"file://{Path(run_dir).resolve() / 'snapshots'}")
 
     @classmethod
     def from_env(cls, run_id: str) -> RunAddress:

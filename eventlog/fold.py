@@ -81,9 +81,10 @@ class ControlIndex:
         """The newest sealed version (0: none)."""
         return max(self.seals, default=0)
 
-    def layout_at(self, version: int) -> RunStarted:
-        """The run layout in force at ``version``."""
-        chosen = None
+    def layout_at(self, version: int, fallback: RunStarted | None = None) -> RunStarted:
+        """The run layout in force at ``version`` (``fallback``: the layout a snapshot
+        recorded, for logs whose older part was truncated)."""
+        chosen = fallback
         for _, env in self.run_started:
             if env.version <= version:
                 chosen = env.body
@@ -134,10 +135,15 @@ def events(
         yield rec.offset, len(rec.value), env
 
 
-def index_control(log: EventLog) -> ControlIndex:
-    """Scan the control partition once: seals, layouts, metrics and snapshot markers."""
-    idx = ControlIndex(start_offset=log.start_offset(CONTROL), end_offset=log.end_offset(CONTROL))
-    for offset, _, env in events(log, CONTROL, lte=idx.end_offset - 1):
+def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlIndex:
+    """Scan the control partition: seals, layouts, metrics and snapshot markers.
+
+    Given an earlier ``idx``, only the records after its ``end_offset`` are read.
+    """
+    gt = None if idx is None else idx.end_offset - 1
+    idx = idx or ControlIndex()
+    idx.start_offset, idx.end_offset = log.start_offset(CONTROL), log.end_offset(CONTROL)
+    for offset, _, env in events(log, CONTROL, gt=gt, lte=idx.end_offset - 1):
         body = env.body
         if isinstance(body, RunStarted):
             idx.run_started.append((offset, env))
@@ -150,7 +156,7 @@ def index_control(log: EventLog) -> ControlIndex:
             idx.metrics.setdefault(env.version, dict(body.values))
         elif env.kind in ("SnapshotBegin", "SnapshotEnd"):
             idx.markers.append((offset, env))
-    if not idx.run_started and idx.start_offset == 0:
+    if not idx.run_started and idx.start_offset == 0 and gt is None:
         if idx.end_offset == 0:
             raise RunNotFoundError(f"run {log.run_id!r} has no events in {log.url}")
         raise RunNotFoundError(f"run {log.run_id!r}: the control partition has no RunStarted")
@@ -165,6 +171,8 @@ class SmallStates:
     kinds: dict[str, str] = field(default_factory=dict)
     applied_gsn: int = 0
     counts: ApplyCounts = field(default_factory=ApplyCounts)
+    #: The control offset after the last record folded.
+    next_offset: int = 0
 
 
 def fold_control(
@@ -188,6 +196,7 @@ def fold_control(
             state.kinds[env.body.name] = env.kind
             state.applied_gsn = env.gsn
         state.counts.add(outcome, nbytes)
+    state.next_offset = seal_offset + 1
     state.counts.seconds = time.perf_counter() - t0
     return state
 
@@ -209,6 +218,7 @@ def fold_shard(
             break  # one writer per partition: versions never go back after this
         where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
         state.apply(env, sealed, nbytes, where)
+        state.next_offset = offset + 1
         if on_bytes is not None:
             on_bytes(nbytes)
     state.counts.seconds = time.perf_counter() - t0
@@ -245,6 +255,18 @@ def verify_small(small: SmallStates, seal: SealInfo) -> None:
         )
 
 
+@dataclass
+class FoldStart:
+    """State to fold on from, instead of an empty state: a verified snapshot."""
+
+    version: int
+    shards: list[ShardState]
+    small: SmallStates
+    next_offsets: list[int]  # control first, then each shard
+    layout: RunStarted
+    source: str
+
+
 def rebuild(
     log: EventLog,
     target: Target = Target(),
@@ -252,25 +274,28 @@ def rebuild(
     workers: int = 2,
     on_bytes: Callable[[int], None] | None = None,
     idx: ControlIndex | None = None,
+    start: FoldStart | None = None,
 ) -> RebuiltState:
-    """Rebuild and verify the state at ``target`` from the whole log (no snapshot)."""
+    """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
-    layout = idx.layout_at(version)
-    if log.start_offset(CONTROL) > 0:
-        raise TruncatedHistoryError(
-            f"run {log.run_id!r}: the log below control offset {log.start_offset(CONTROL)} was "
-            "truncated; rebuilding needs a snapshot"
-        )
+    layout = idx.layout_at(version, start.layout if start else None)
+    if start is not None and start.version > version:
+        raise TargetNotFoundError(f"{start.source} is newer than the target {target}")
+    _check_reachable(log, layout.shard_count, start)
     info = idx.seals[version]
-    small = fold_control(log, idx, version)
+    control_gt = start.next_offsets[0] - 1 if start else None
+    small = fold_control(log, idx, version, start.small if start else None, control_gt)
     verify_small(small, info)
+    seals = {v: s.seal for v, s in idx.seals.items()}
 
     def one(shard: int) -> ShardState:
-        state = fold_shard(log, ShardState(shard), idx, version, on_bytes=on_bytes)
+        state = start.shards[shard] if start else ShardState(shard)
+        gt = start.next_offsets[shard + 1] - 1 if start else None
+        fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes)
         state.drop_unlisted(layout.tensors)
-        verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, {
-            v: s.seal for v, s in idx.seals.items()}, 0)
+        verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
+                     start.version if start else 0)
         return state
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
@@ -285,3 +310,16 @@ def rebuild(
     return RebuiltState(
         log.run_id, version, info.step, layout, shards, small, info, total, per_shard, idx
     )
+
+
+def _check_reachable(log: EventLog, shards: int, start: FoldStart | None) -> None:
+    """Fail clearly when the records a fold needs were truncated away."""
+    for p in [CONTROL, *range(shards)]:
+        first = log.start_offset(p)
+        need = start.next_offsets[p + 1] if start else 0
+        if first > need:
+            where = start.source if start else "the start of the log"
+            raise TruncatedHistoryError(
+                f"run {log.run_id!r}: partition {'control' if p == CONTROL else p} was truncated "
+                f"below offset {first}, but rebuilding from {where} needs offset {need}"
+            )

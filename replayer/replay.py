@@ -11,7 +11,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +19,11 @@ import torch
 
 from eventlog import RunAddress, Target, statecodec, tensorcodec
 from eventlog.capture import unflatten
-from eventlog.fold import RebuiltState, rebuild
+from eventlog.fold import RebuiltState, index_control, rebuild
+from eventlog.ports import EventLog
 from eventlog.recorder import TENSOR_ROLES
+from snapshotter.catalog import newest_valid
+from snapshotter.store import SnapshotStore
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,12 @@ class ReplayReport:
     seconds: float
     per_shard: dict[int, dict[str, float]]
     state_digest: str
+    #: The snapshot the replay started from (``None``: the start of the log).
+    snapshot: str | None = None
+    snapshot_version: int = 0
+    #: Newer snapshots that were passed over, and why.
+    passed_over: list[tuple[str, str]] = field(default_factory=list)
+    tail_versions: int = 0
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data."""
@@ -51,11 +60,19 @@ def replay(
     *,
     workers: int = 2,
     on_bytes: Callable[[int], None] | None = None,
+    use_snapshots: bool = True,
 ) -> tuple[RebuiltState, ReplayReport]:
-    """Rebuild the run's state at ``target``, verified against its seal."""
+    """Rebuild the run's state at ``target`` from the newest good snapshot at or before it
+    plus the log tail, verified against the target's seal."""
     t0 = time.perf_counter()
     with address.open_log() as log:
-        state = rebuild(log, target, workers=workers, on_bytes=on_bytes)
+        idx = index_control(log)
+        version = idx.resolve(target)
+        start, passed = None, []
+        if use_snapshots and address.snapshots_url:
+            store = SnapshotStore(address.snapshots_url)
+            start, passed = newest_valid(store, log, idx, version, workers=workers)
+        state = rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start)
     c = state.counts
     report = ReplayReport(
         run_id=state.run_id, target=str(target), version=state.version, step=state.step,
@@ -64,8 +81,21 @@ def replay(
         bytes=c.bytes, seconds=time.perf_counter() - t0,
         per_shard={s: asdict(v) for s, v in state.per_shard.items()},
         state_digest=state.seal.seal.state_digest.hex(),
+        snapshot=start.source if start else None,
+        snapshot_version=start.version if start else 0,
+        passed_over=passed,
+        tail_versions=state.version - (start.version if start else 0),
     )
     return state, report
+
+
+def restorer(address: RunAddress, workers: int = 2) -> Callable[[EventLog], RebuiltState]:
+    """A ``Recorder`` restorer that starts from the newest good snapshot (and a short tail)."""
+
+    def restore(_log: EventLog) -> RebuiltState:
+        return replay(address, Target(), workers=workers)[0]
+
+    return restore
 
 
 def tensors_of(state: RebuiltState) -> dict[str, torch.Tensor]:

@@ -1,0 +1,151 @@
+"""Which snapshots exist for recovery, and loading the newest good one.
+
+A snapshot counts only if the log holds its ``SnapshotEnd`` marker, its manifest matches the
+digest in that marker, every file verifies, and the rebuilt shard digests equal the seal of
+its version. Recovery and ``rewind verify`` use this same code.
+"""
+
+from __future__ import annotations
+
+import base64
+import fcntl
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from eventlog import RewindError, serde
+from eventlog.digests import small_digest
+from eventlog.events import RunStarted, SnapshotBegin, SnapshotEnd
+from eventlog.fold import ControlIndex, FoldStart
+from eventlog.ports import EventLog
+
+from .store import SnapshotCorruptError, SnapshotStore
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A snapshot as the log announces it."""
+
+    snapshot_id: str
+    version: int
+    step: int
+    begin_offset: int | None
+    end: SnapshotEnd | None
+    end_offset: int | None
+
+
+def markers(idx: ControlIndex) -> dict[str, Marker]:
+    """Every snapshot the control partition mentions, by id (complete or orphaned)."""
+    out: dict[str, Marker] = {}
+    for offset, env in idx.markers:
+        body = env.body
+        assert isinstance(body, SnapshotBegin | SnapshotEnd)
+        old = out.get(body.snapshot_id)
+        if isinstance(body, SnapshotBegin):
+            out[body.snapshot_id] = Marker(body.snapshot_id, env.version, env.step, offset,
+                                           old.end if old else None, old.end_offset if old else None)
+        else:
+            out[body.snapshot_id] = Marker(body.snapshot_id, env.version, env.step,
+                                           old.begin_offset if old else None, body, offset)
+    return out
+
+
+def encode_layout(layout: RunStarted, run_id: str) -> str:
+    """A layout as manifest text (the Avro message of a RunStarted envelope, base64)."""
+    from eventlog.events import Envelope
+
+    return base64.b64encode(serde.encode(Envelope(run_id, 0, 0, 0, -1, "snapshotter", 0, layout))).decode()
+
+
+def decode_layout(text: str, where: str) -> RunStarted:
+    """The layout a manifest recorded."""
+    try:
+        env = serde.decode(base64.b64decode(text, validate=True), where)
+    except (ValueError, RewindError) as exc:
+        raise SnapshotCorruptError(f"{where}: layout is damaged ({exc})") from exc
+    if not isinstance(env.body, RunStarted):
+        raise SnapshotCorruptError(f"{where}: layout is a {env.kind}")
+    return env.body
+
+
+@contextmanager
+def reading(store: SnapshotStore, run_id: str, snapshot_id: str) -> Iterator[None]:
+    """Hold a shared lock on a snapshot while it is read, so retention cannot delete it."""
+    folder = store.directory(run_id, snapshot_id)
+    if not folder.exists():
+        yield
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
+def try_delete(store: SnapshotStore, run_id: str, snapshot_id: str) -> bool:
+    """Delete a snapshot unless a reader holds it; returns whether it was deleted."""
+    folder = store.directory(run_id, snapshot_id)
+    if not folder.exists():
+        return True
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        store.delete(run_id, snapshot_id)
+        return True
+    finally:
+        os.close(fd)
+
+
+def load_start(
+    store: SnapshotStore, log: EventLog, idx: ControlIndex, marker: Marker, *, workers: int = 2
+) -> FoldStart:
+    """Load and verify one snapshot as a fold start, or raise saying what is wrong."""
+    if marker.end is None:
+        raise SnapshotCorruptError(f"snapshot {marker.snapshot_id} has no end marker (orphan)")
+    with reading(store, log.run_id, marker.snapshot_id):
+        manifest, shards, small = store.load(log.run_id, marker.snapshot_id,
+                                             marker.end.manifest_digest, workers=workers)
+    layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
+    if manifest.version != marker.version:
+        raise SnapshotCorruptError(
+            f"snapshot {marker.snapshot_id}: manifest says version {manifest.version}, "
+            f"its end marker {marker.version}"
+        )
+    seal = idx.seals.get(manifest.version)  # gone if the log was truncated past it
+    if seal is not None and [d.hex() for d in seal.seal.shard_digests] != manifest.shard_digests:
+        raise SnapshotCorruptError(
+            f"snapshot {marker.snapshot_id}: manifest digests differ from the seal of "
+            f"version {manifest.version}"
+        )
+    for state in shards:
+        if state.digest(layout.tensors, layout.chunk_bytes).hex() != manifest.shard_digests[state.shard]:
+            raise SnapshotCorruptError(
+                f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the sealed "
+                f"state of version {manifest.version}"
+            )
+        state.next_offset = manifest.next_offsets[state.shard + 1]
+    if small_digest(small.states).hex() != manifest.small_digest:
+        raise SnapshotCorruptError(f"snapshot {marker.snapshot_id}: small states do not match")
+    small.next_offset = manifest.next_offsets[0]
+    return FoldStart(manifest.version, shards, small, list(manifest.next_offsets), layout,
+                     f"snapshot {marker.snapshot_id} (version {manifest.version})")
+
+
+def newest_valid(
+    store: SnapshotStore, log: EventLog, idx: ControlIndex, max_version: int, *, workers: int = 2
+) -> tuple[FoldStart | None, list[tuple[str, str]]]:
+    """The newest snapshot at or before ``max_version`` that verifies, and why newer ones
+    were passed over (``[(snapshot_id, reason)]``)."""
+    passed: list[tuple[str, str]] = []
+    complete = [m for m in markers(idx).values() if m.end is not None and m.version <= max_version]
+    for marker in sorted(complete, key=lambda m: m.version, reverse=True):
+        try:
+            return load_start(store, log, idx, marker, workers=workers), passed
+        except RewindError as exc:
+            passed.append((marker.snapshot_id, str(exc)))
+    return None, passed

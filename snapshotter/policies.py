@@ -1,0 +1,120 @@
+"""Composable policies: when to take a snapshot, and which snapshots to keep.
+
+Triggers compose with ``|`` (any) and ``&`` (all): ``every_versions(100) | every_seconds(600)``.
+Retention rules compose the same way: ``keep_last(3) | keep_best(2, "reward")`` keeps the
+union, ``&`` the intersection. The newest valid snapshot is always kept, whatever the rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Progress:
+    """What a trigger sees: versions and time since the last snapshot."""
+
+    versions_since: int
+    seconds_since: float
+
+
+class Trigger:
+    """Decides whether to snapshot now."""
+
+    def __init__(self, test: Callable[[Progress], bool], text: str) -> None:
+        self._test, self._text = test, text
+
+    def __call__(self, progress: Progress) -> bool:
+        return self._test(progress)
+
+    def __or__(self, other: Trigger) -> Trigger:
+        return Trigger(lambda p: self(p) or other(p), f"({self} | {other})")
+
+    def __and__(self, other: Trigger) -> Trigger:
+        return Trigger(lambda p: self(p) and other(p), f"({self} & {other})")
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def every_versions(n: int) -> Trigger:
+    """Snapshot once ``n`` versions were sealed since the last snapshot."""
+    if n < 1:
+        raise ValueError("every_versions needs n >= 1")
+    return Trigger(lambda p: p.versions_since >= n, f"every_versions({n})")
+
+
+def every_seconds(s: float) -> Trigger:
+    """Snapshot once ``s`` seconds passed since the last one (and something changed)."""
+    return Trigger(lambda p: p.versions_since > 0 and p.seconds_since >= s, f"every_seconds({s})")
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """What retention knows about one valid snapshot."""
+
+    snapshot_id: str
+    version: int
+    step: int
+    metrics: dict[str, float]
+
+
+class Retention:
+    """Chooses the snapshots to keep out of the valid ones."""
+
+    def __init__(self, keep: Callable[[Sequence[SnapshotInfo]], set[str]], text: str) -> None:
+        self._keep, self._text = keep, text
+
+    def keep(self, snapshots: Sequence[SnapshotInfo]) -> set[str]:
+        """Ids to keep; always includes the newest snapshot."""
+        ordered = sorted(snapshots, key=lambda s: s.version)
+        kept = self._keep(ordered)
+        if ordered:
+            kept.add(ordered[-1].snapshot_id)
+        return kept
+
+    def __or__(self, other: Retention) -> Retention:
+        return Retention(lambda s: self._keep(s) | other._keep(s), f"({self} | {other})")
+
+    def __and__(self, other: Retention) -> Retention:
+        return Retention(lambda s: self._keep(s) & other._keep(s), f"({self} & {other})")
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def keep_last(n: int) -> Retention:
+    """Keep the ``n`` newest snapshots."""
+    return Retention(lambda s: {x.snapshot_id for x in s[-n:]} if n > 0 else set(), f"keep_last({n})")
+
+
+def keep_best(k: int, metric: str, mode: str = "max") -> Retention:
+    """Keep the ``k`` snapshots with the best ``metric`` (``mode``: max or min)."""
+    if mode not in ("max", "min"):
+        raise ValueError("keep_best mode must be 'max' or 'min'")
+    sign = -1.0 if mode == "max" else 1.0
+
+    def keep(s: Sequence[SnapshotInfo]) -> set[str]:
+        scored = [x for x in s if metric in x.metrics]
+        scored.sort(key=lambda x: (sign * x.metrics[metric], -x.version))
+        return {x.snapshot_id for x in scored[:k]}
+
+    return Retention(keep, f"keep_best({k}, {metric!r}, {mode!r})")
+
+
+def keep_every(steps: int) -> Retention:
+    """Keep, for every multiple of ``steps``, the first snapshot at or after it."""
+
+    def keep(s: Sequence[SnapshotInfo]) -> set[str]:
+        kept: dict[int, SnapshotInfo] = {}
+        for x in s:
+            kept.setdefault(x.step // steps, x)
+        return {x.snapshot_id for x in kept.values()}
+
+    return Retention(keep, f"keep_every({steps})")
+
+
+def keep_all() -> Retention:
+    """Keep every snapshot."""
+    return Retention(lambda s: {x.snapshot_id for x in s}, "keep_all()")

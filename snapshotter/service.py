@@ -1,0 +1,296 @@
+"""The snapshotter: follows a run's log, keeps its state folded, and writes snapshots.
+
+It folds sealed versions with the same apply rule and verification as the replayer
+(``eventlog.fold``), and writes a snapshot when its trigger says so:
+``SnapshotBegin`` in the log, the files (in parallel, atomic, checksummed), the manifest,
+then ``SnapshotEnd``. Only the holder of the snapshotter lease writes; its fencing token is
+checked again before the manifest and before the end marker, so a fenced snapshotter can
+never publish one. After each snapshot, retention deletes old snapshots and the log below
+the oldest one kept may be truncated.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from eventlog import FencedError, RunAddress, RunNotFoundError, serde
+from eventlog.apply import ShardState, verify_shard
+from eventlog.events import Body, Envelope, SnapshotBegin, SnapshotEnd
+from eventlog.fold import ControlIndex, FoldStart, SmallStates, fold_control, fold_shard, index_control, verify_small
+from eventlog.ports import CONTROL
+
+from .catalog import encode_layout, markers, newest_valid, try_delete
+from .policies import Progress, Retention, SnapshotInfo, Trigger, every_seconds, every_versions, keep_last
+from .store import FORMAT, Manifest, SnapshotStore
+
+
+@dataclass(frozen=True)
+class SnapshotterConfig:
+    """How often to snapshot, what to keep, and how much log history to keep."""
+
+    trigger: Trigger = field(default_factory=lambda: every_versions(100) | every_seconds(600))
+    retention: Retention = field(default_factory=lambda: keep_last(3))
+    #: ``keep-all``, ``since-oldest-snapshot``, or a number of steps of log to keep.
+    history: str = "keep-all"
+    lease_ttl_s: float = 30.0
+    poll_interval_s: float = 0.5
+    workers: int = 2
+
+    def __post_init__(self) -> None:
+        if self.history not in ("keep-all", "since-oldest-snapshot") and not self.history.isdigit():
+            raise ValueError("history must be keep-all, since-oldest-snapshot or a number of steps")
+
+
+@dataclass(frozen=True)
+class SnapshotResult:
+    """A snapshot that was published (its end marker is in the log)."""
+
+    snapshot_id: str
+    version: int
+    step: int
+    uri: str
+    seconds: float
+    deleted: list[str]
+    truncated_before: list[int] | None
+
+
+class Snapshotter:
+    """Folds one run's log and snapshots it; use ``run()`` as a service or call ``snapshot()``."""
+
+    def __init__(
+        self,
+        address: RunAddress,
+        store: SnapshotStore,
+        config: SnapshotterConfig | None = None,
+        *,
+        holder: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        on_event: Callable[[str], None] | None = None,
+    ) -> None:
+        self.address, self.store = address, store
+        self.config = config or SnapshotterConfig()
+        self.holder = holder or f"snapshotter-{uuid.uuid4().hex[:8]}"
+        self._clock, self._sleep = clock, sleep
+        self._say = on_event or (lambda _m: None)
+        self._log = address.open_log()
+        self._coord = address.open_coordinator()
+        self._lease = f"rewind:{address.run_id}:snapshotter"
+        self._token: int | None = None
+        self._writer = None
+        self._idx: ControlIndex | None = None
+        self._shards: list[ShardState] = []
+        self._small = SmallStates()
+        self.version = 0
+        self._last_snapshot_version = 0
+        self._last_snapshot_time = clock()
+        self._start_version = 0
+        self._base_layout = None  # the layout a start snapshot recorded (log may be truncated)
+
+    # ------------------------------------------------------------------ lease
+    def acquire(self) -> int:
+        """Take (or renew) the snapshotter lease; raises ``FencedError`` if another holds it."""
+        token = self._coord.acquire_lease(self._lease, self.holder, self.config.lease_ttl_s)
+        if token is None or (self._token is not None and token != self._token):
+            holder_token = self._coord.lease_token(self._lease)
+            self._token = None
+            raise FencedError(
+                f"snapshotter {self.holder} of run {self.address.run_id!r} does not hold the "
+                f"lease (fencing token {holder_token} belongs to another snapshotter); stopping"
+            )
+        self._token = token
+        return token
+
+    def _check_lease(self) -> None:
+        token = self._token
+        if token is None or self._coord.lease_token(self._lease) != token:
+            raise FencedError(
+                f"snapshotter {self.holder} was fenced (token {token} is no longer current); "
+                "its snapshot is abandoned without an end marker"
+            )
+        self.acquire()
+
+    # ------------------------------------------------------------------ folding
+    def catch_up(self) -> int:
+        """Fold every newly sealed version; returns how many were folded."""
+        if self._idx is None:
+            self._idx = index_control(self._log)
+            self._start_from_snapshot()
+        else:
+            index_control(self._log, self._idx)
+        target = self._idx.latest_version()
+        if target <= self.version:
+            return 0
+        layout = self._idx.layout_at(target, self._base_layout)
+        fold_control(self._log, self._idx, target, self._small, self._small.next_offset - 1
+                     if self._small.next_offset else None)
+        verify_small(self._small, self._idx.seals[target])
+        while len(self._shards) < layout.shard_count:
+            self._shards.append(ShardState(len(self._shards)))
+        seals = {v: s.seal for v, s in self._idx.seals.items()}
+        for state in self._shards:
+            fold_shard(self._log, state, self._idx, target,
+                       gt_offset=state.next_offset - 1 if state.next_offset else None)
+            state.drop_unlisted(layout.tensors)
+            verify_shard(state, target, self._idx.seals[target].seal, layout.tensors,
+                         layout.chunk_bytes, seals, self.version)
+        folded, self.version = target - self.version, target
+        return folded
+
+    def _start_from_snapshot(self) -> None:
+        assert self._idx is not None
+        if not self._idx.seals:
+            raise RunNotFoundError(f"run {self.address.run_id!r} has no sealed version yet")
+        start, passed = newest_valid(self.store, self._log, self._idx,
+                                     self._idx.latest_version(), workers=self.config.workers)
+        for sid, why in passed:
+            self._say(f"skipping snapshot {sid}: {why}")
+        if start is not None:
+            self._load(start)
+
+    def _load(self, start: FoldStart) -> None:
+        self._shards, self._small, self._base_layout = start.shards, start.small, start.layout
+        self.version = self._last_snapshot_version = self._start_version = start.version
+
+    # ------------------------------------------------------------------ snapshots
+    def due(self) -> bool:
+        """Whether the trigger asks for a snapshot now."""
+        return self.config.trigger(Progress(self.version - self._last_snapshot_version,
+                                            self._clock() - self._last_snapshot_time))
+
+    def snapshot(self, *, force: bool = False) -> SnapshotResult | None:
+        """Catch up, then write a snapshot if due (or ``force``); ``None`` if nothing to do."""
+        t0 = time.perf_counter()
+        self.catch_up()
+        if self.version == 0 or self.version == self._last_snapshot_version or not (force or self.due()):
+            return None
+        assert self._idx is not None
+        token = self.acquire()
+        info = self._idx.seals[self.version]
+        layout = self._idx.layout_at(self.version, self._base_layout)
+        sid = f"v{self.version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
+        watermark = max([self._small.applied_gsn, *(s.applied_gsn for s in self._shards)])
+        self._append(SnapshotBegin(sid, watermark, token), info.version, info.step)
+        next_offsets = [self._small.next_offset, *(s.next_offset for s in self._shards)]
+        applied = [self._small.applied_gsn, *(s.applied_gsn for s in self._shards)]
+        manifest = Manifest(
+            format=FORMAT, run_id=self.address.run_id, snapshot_id=sid,
+            schema_version=serde.schemas.SCHEMA_VERSION, config_digest=layout.config_digest,
+            version=self.version, step=info.step, state_digest=info.seal.state_digest.hex(),
+            shard_digests=[d.hex() for d in info.seal.shard_digests],
+            small_digest=info.seal.small_digest.hex(), shard_count=layout.shard_count,
+            applied_gsns=applied, next_offsets=next_offsets, files=[],
+            created_ms=int(time.time() * 1000), fencing_token=token,
+            layout=encode_layout(layout, self.address.run_id),
+            metrics=dict(self._idx.metrics.get(self.version, {})),
+        )
+        uri, digest = self.store.write(manifest, self._shards, self._small,
+                                       workers=self.config.workers, before_manifest=self._check_lease)
+        self._check_lease()
+        self._append(SnapshotEnd(sid, tuple(next_offsets), tuple(applied), digest, uri, token),
+                     info.version, info.step)
+        self._coord.catalog_put(self.address.run_id, sid, {
+            "version": self.version, "step": info.step, "uri": uri,
+            "metrics": manifest.metrics})
+        self._last_snapshot_version, self._last_snapshot_time = self.version, self._clock()
+        self._say(f"snapshot {sid} of version {self.version} (step {info.step}) published")
+        deleted, truncated = self._retain()
+        return SnapshotResult(sid, self.version, info.step, uri, time.perf_counter() - t0,
+                              deleted, truncated)
+
+    def _append(self, body: Body, version: int, step: int) -> None:
+        if self._writer is None:
+            self._writer = self._log.writer(f"{self.address.run_id}.snapshotter")
+        gsn = self._coord.allocate_gsns(self.address.run_id, 1)
+        env = Envelope(self.address.run_id, gsn, version, step, CONTROL, self.holder,
+                       int(time.time() * 1000), body)
+        with self._writer.transaction() as txn:
+            txn.append(CONTROL, serde.encode(env))
+
+    # ------------------------------------------------------------------ retention
+    def _retain(self) -> tuple[list[str], list[int] | None]:
+        """Apply retention to the published snapshots, then the history policy to the log."""
+        assert self._idx is not None
+        index_control(self._log, self._idx)
+        catalog = self._coord.catalog(self.address.run_id)
+        published = [m for m in markers(self._idx).values() if m.end is not None
+                     and self.store.directory(self.address.run_id, m.snapshot_id).exists()]
+        infos = [SnapshotInfo(m.snapshot_id, m.version, m.step,
+                              dict(catalog.get(m.snapshot_id, {}).get("metrics")
+                                   or self._idx.metrics.get(m.version, {})))
+                 for m in published]
+        keep = self.config.retention.keep(infos)
+        deleted = []
+        for m in published:
+            if m.snapshot_id not in keep and try_delete(self.store, self.address.run_id, m.snapshot_id):
+                self._coord.catalog_delete(self.address.run_id, m.snapshot_id)
+                deleted.append(m.snapshot_id)
+        kept = [m for m in published if m.snapshot_id not in deleted]
+        return deleted, self._truncate(kept)
+
+    def _truncate(self, kept: list) -> list[int] | None:  # type: ignore[type-arg]
+        history = self.config.history
+        if history == "keep-all" or not kept:
+            return None
+        if history == "since-oldest-snapshot":
+            base = min(kept, key=lambda m: m.version)
+        else:
+            newest_step = self._idx.seals[self.version].step if self._idx else 0
+            eligible = [m for m in kept if m.step <= newest_step - int(history)]
+            if not eligible:
+                return None
+            base = max(eligible, key=lambda m: m.version)
+        offsets = list(base.end.next_offsets)
+        # Keep the base snapshot's own seal on control, so its version stays addressable.
+        offsets[0] = max(0, offsets[0] - 1)
+        for p, off in zip([CONTROL, *range(len(offsets) - 1)], offsets):
+            if off > self._log.start_offset(p):
+                self._log.truncate_before(p, off)
+        self._say(f"log truncated below snapshot {base.snapshot_id}")
+        return offsets
+
+    # ------------------------------------------------------------------ service loop
+    def run(self, stop: threading.Event | None = None, *, max_snapshots: int | None = None) -> int:
+        """Follow the log until ``stop`` is set (or ``max_snapshots`` were written)."""
+        stop = stop or threading.Event()
+        written = 0
+        self.acquire()
+        while not stop.is_set():
+            result = self.snapshot()
+            if result is not None:
+                written += 1
+                if max_snapshots is not None and written >= max_snapshots:
+                    break
+            else:
+                self.acquire()  # keeps the lease alive between snapshots
+            stop.wait(self.config.poll_interval_s) if stop else self._sleep(self.config.poll_interval_s)
+        return written
+
+    def release(self) -> None:
+        """Give the lease up and close connections."""
+        try:
+            self._coord.release_lease(self._lease, self.holder)
+        finally:
+            if self._writer is not None:
+                self._writer.close()
+            self._log.close()
+            self._coord.close()
+
+    def __enter__(self) -> Snapshotter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def start_background(snapshotter: Snapshotter) -> tuple[threading.Thread, threading.Event]:
+    """Run a snapshotter in a daemon thread inside the trainer (embedded use)."""
+    stop = threading.Event()
+    thread = threading.Thread(target=snapshotter.run, args=(stop,), name="rewind-snapshotter",
+                              daemon=True)
+    thread.start()
+    return thread, stop
