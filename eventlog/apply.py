@@ -122,12 +122,16 @@ class ShardState:
             )
         return shard_digest(digests)
 
-    def drop_unlisted(self, specs: Sequence[TensorSpec]) -> None:
-        """Forget tensors the target layout no longer has."""
-        keep = {s.name for s in specs if s.shard == self.shard}
+    def conform(self, specs: Sequence[TensorSpec]) -> None:
+        """Match the target layout: forget tensors it no longer has, and materialise its
+        empty tensors (zero bytes, so no chunk ever carries them)."""
+        listed = {s.name: s for s in specs if s.shard == self.shard}
         for name in list(self.tensors):
-            if name not in keep:
+            if name not in listed:
                 del self.tensors[name]
+        for name, spec in listed.items():
+            if name not in self.tensors and tensorcodec.nbytes_of(spec.dtype, tuple(spec.shape)) == 0:
+                self.tensors[name] = TensorBits(spec.dtype, tuple(spec.shape), np.empty(0, np.uint8))
 
 
 def classify(env: Envelope, applied_gsn: int, snapshot_gsn: int, sealed: Container[int]) -> str:

@@ -143,7 +143,9 @@ def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlInde
     gt = None if idx is None else idx.end_offset - 1
     idx = idx or ControlIndex()
     idx.start_offset, idx.end_offset = log.start_offset(CONTROL), log.end_offset(CONTROL)
+    seen = 0
     for offset, _, env in events(log, CONTROL, gt=gt, lte=idx.end_offset - 1):
+        seen += 1
         body = env.body
         if isinstance(body, RunStarted):
             idx.run_started.append((offset, env))
@@ -157,9 +159,11 @@ def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlInde
         elif env.kind in ("SnapshotBegin", "SnapshotEnd"):
             idx.markers.append((offset, env))
     if not idx.run_started and idx.start_offset == 0 and gt is None:
-        if idx.end_offset == 0:
+        if seen == 0:  # nothing committed (aborted transactions may still use offsets)
             raise RunNotFoundError(f"run {log.run_id!r} has no events in {log.url}")
-        raise RunNotFoundError(f"run {log.run_id!r}: the control partition has no RunStarted")
+        # Records without a layout is damage, never a fresh run: refuse to start over.
+        raise IntegrityError(f"run {log.run_id!r}: the control partition has {seen} records "
+                             "but no RunStarted")
     return idx
 
 
@@ -293,7 +297,7 @@ def rebuild(
         state = start.shards[shard] if start else ShardState(shard)
         gt = start.next_offsets[shard + 1] - 1 if start else None
         fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes)
-        state.drop_unlisted(layout.tensors)
+        state.conform(layout.tensors)
         verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
                      start.version if start else 0)
         return state

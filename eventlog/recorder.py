@@ -242,16 +242,20 @@ class Recorder:
             name: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape)
             for shard in state.shards for name, t in shard.tensors.items()
         }
-        for name, obj in self._objects.items():
+        # Check and decode everything before loading anything: a restore that fails
+        # leaves every object as it was.
+        trees = {}
+        for name in self._objects:
             if name not in state.small.states:
                 raise StateMismatchError(
                     f"run {self.run_id!r} recorded no state for {name!r} "
                     f"(it has: {', '.join(sorted(state.small.states))})"
                 )
             tree = statecodec.unpack(state.small.states[name], f"small state {name!r}")
-            obj = self._objects[name]
+            trees[name] = unflatten(tree, tensors) if name in TENSOR_ROLES else tree
+        for name, tree in trees.items():
             try:
-                obj.load_state_dict(unflatten(tree, tensors) if name in TENSOR_ROLES else tree)
+                self._objects[name].load_state_dict(tree)
             except (RuntimeError, KeyError, ValueError, TypeError) as exc:
                 raise StateMismatchError(f"cannot load recorded {name!r}: {exc}") from exc
         # The restored state becomes the XOR base of the next commit.

@@ -23,6 +23,8 @@ _EXT_TUPLE = 1
 _EXT_NDARRAY = 2
 _EXT_TENSOR = 3
 _EXT_TENSOR_REF = 4
+_EXT_BIGINT = 5  # ints beyond 64 bits: numpy's PCG64 state holds 128-bit ones
+_MAX_BIGINT_BYTES = 64
 _NUMPY_DTYPES = {np.dtype(n).str for n in (
     "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
     "float16", "float32", "float64", "complex64", "complex128",
@@ -39,6 +41,11 @@ class TensorRef:
 def _default(obj: Any) -> Any:
     if isinstance(obj, TensorRef):
         return msgpack.ExtType(_EXT_TENSOR_REF, obj.name.encode())
+    if type(obj) is int:  # msgpack hands over only the ints it cannot hold itself
+        n = (obj.bit_length() + 8) // 8
+        if n > _MAX_BIGINT_BYTES:
+            raise DecodeError(f"integer of {obj.bit_length()} bits is too large to record")
+        return msgpack.ExtType(_EXT_BIGINT, obj.to_bytes(n, "little", signed=True))
     if isinstance(obj, tuple):
         return msgpack.ExtType(_EXT_TUPLE, pack(list(obj)))
     if isinstance(obj, torch.Tensor):
@@ -75,6 +82,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
         if not isinstance(items, list):
             raise DecodeError("tuple ext does not hold a list")
         return tuple(items)
+    if code == _EXT_BIGINT:
+        if not 0 < len(data) <= _MAX_BIGINT_BYTES:
+            raise DecodeError(f"big integer ext of {len(data)} bytes")
+        return int.from_bytes(data, "little", signed=True)
     if code == _EXT_TENSOR_REF:
         try:
             return TensorRef(data.decode())

@@ -19,7 +19,7 @@ from rich.table import Table
 from eventlog import RewindError, RunAddress, Target
 from eventlog.fold import index_control
 
-from .replay import replay, write_checkpoint
+from .replay import ReplayReport, replay, write_checkpoint
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -29,20 +29,26 @@ RunDir = Annotated[Optional[Path], typer.Option("--run-dir", help="embedded run 
 LogUrl = Annotated[Optional[str], typer.Option("--log", help="log URL: sqlite://PATH or kafka://HOST:PORT")]
 CoordUrl = Annotated[Optional[str], typer.Option("--coord", help="coordinator URL: sqlite://PATH or redis://HOST:PORT")]
 RunId = Annotated[Optional[str], typer.Option("--run", help="run id")]
+Snaps = Annotated[Optional[str], typer.Option("--snapshots", help="snapshot store URL (file://DIR); --run-dir implies DIR/snapshots")]
 To = Annotated[str, typer.Option("--to", help="latest, version=V, step=N, gsn=G or offset=P")]
 Workers = Annotated[int, typer.Option("--workers", help="shards replayed in parallel")]
 AsJson = Annotated[bool, typer.Option("--json", help="machine-readable output")]
 
 
-def address_of(run_dir: Path | None, log: str | None, coord: str | None, run: str | None) -> RunAddress:
+def address_of(
+    run_dir: Path | None, log: str | None, coord: str | None, run: str | None,
+    snapshots: str | None = None,
+) -> RunAddress:
     """The run the address options name."""
     if run_dir is not None:
         if log or coord:
             raise RewindError("give either --run-dir or --log/--coord, not both")
-        return RunAddress.from_run_dir(run_dir, run)
+        address = RunAddress.from_run_dir(run_dir, run)
+        return address if snapshots is None else RunAddress(
+            address.log_url, address.coord_url, address.run_id, snapshots)
     if not log or not run:
         raise RewindError("name a run: --run-dir DIR, or --log URL [--coord URL] --run ID")
-    return RunAddress(log, coord or log, run)
+    return RunAddress(log, coord or log, run, snapshots)
 
 
 def _replay_with_progress(address: RunAddress, target: Target, workers: int):  # type: ignore[no-untyped-def]
@@ -79,9 +85,10 @@ def demo(
 def replay_cmd(
     to: To = "latest", workers: Workers = 2, json_out: AsJson = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
 ) -> None:
     """Rebuild and verify the state at a target; print what was applied and skipped."""
-    address = address_of(run_dir, log, coord, run)
+    address = address_of(run_dir, log, coord, run, snapshots)
     _, report = _replay_with_progress(address, Target.parse(to), workers)
     if json_out:
         console.print_json(json.dumps(report.to_json()))
@@ -94,6 +101,15 @@ def replay_cmd(
                   str(report.skipped_by_snapshot), str(report.skipped_duplicate),
                   str(report.skipped_unsealed), f"{report.bytes / 1e6:.1f}", f"{report.seconds:.3f}")
     console.print(table)
+    _explain_start(report)
+
+
+def _explain_start(report: ReplayReport) -> None:
+    for sid, why in report.passed_over:
+        console.print(f"passed over snapshot {sid}: {why}", markup=False, highlight=False)
+    source = report.snapshot or "the start of the log"
+    console.print(f"started from {source}; replayed {report.tail_versions} versions of tail",
+                  markup=False, highlight=False)
 
 
 @app.command()
@@ -101,12 +117,14 @@ def recover(
     out: Annotated[Path, typer.Option("--out", help="checkpoint directory to write")],
     to: To = "latest", workers: Workers = 2,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
 ) -> None:
     """Write a restorable checkpoint (torch state_dicts, msgpack states, recovery.json)."""
-    address = address_of(run_dir, log, coord, run)
+    address = address_of(run_dir, log, coord, run, snapshots)
     state, report = _replay_with_progress(address, Target.parse(to), workers)
     for path in write_checkpoint(state, report, out):
         console.print(f"wrote {path}")
+    _explain_start(report)
     console.print(f"recovered version {report.version} (step {report.step}) in {report.seconds:.3f}s")
 
 
@@ -137,6 +155,101 @@ def history(
         table.add_row(str(r["version"]), str(r["step"]), str(r["gsn"]), r["writer"],
                       f"{ratio:.3f}", metrics)
     console.print(table)
+
+
+def _policies(every: int, seconds: float, keep: int, best: Optional[str], every_steps: Optional[int]):  # type: ignore[no-untyped-def]
+    from snapshotter.policies import every_seconds, every_versions, keep_best, keep_every, keep_last
+
+    trigger = every_versions(every) | every_seconds(seconds)
+    retention = keep_last(keep)
+    if best:
+        metric, _, rest = best.partition(":")
+        k, _, mode = rest.partition(":")
+        retention = retention | keep_best(int(k or 1), metric, mode or "max")
+    if every_steps:
+        retention = retention | keep_every(every_steps)
+    return trigger, retention
+
+
+Every = Annotated[int, typer.Option("--every-versions", help="snapshot every N versions")]
+Seconds = Annotated[float, typer.Option("--every-seconds", help="or every S seconds")]
+Keep = Annotated[int, typer.Option("--keep-last", help="keep the N newest snapshots")]
+Best = Annotated[Optional[str], typer.Option("--keep-best", help="also keep the best: METRIC:K[:max|min]")]
+EverySteps = Annotated[Optional[int], typer.Option("--keep-every", help="also keep one per M steps")]
+History = Annotated[str, typer.Option("--history", help="keep-all, since-oldest-snapshot, or N steps")]
+
+
+def _snapshotter(address: RunAddress, every: int, seconds: float, keep: int, best: Optional[str],
+                 every_steps: Optional[int], history: str):  # type: ignore[no-untyped-def]
+    from snapshotter.service import Snapshotter, SnapshotterConfig
+    from snapshotter.store import SnapshotStore
+
+    if not address.snapshots_url:
+        raise RewindError("no snapshot store: pass --snapshots file://DIR (or use --run-dir)")
+    trigger, retention = _policies(every, seconds, keep, best, every_steps)
+    config = SnapshotterConfig(trigger=trigger, retention=retention, history=history)
+    return Snapshotter(address, SnapshotStore(address.snapshots_url), config,
+                       on_event=lambda m: console.print(m, markup=False, highlight=False))
+
+
+@app.command()
+def snapshot(
+    keep: Keep = 3, best: Best = None, every_steps: EverySteps = None, history: History = "keep-all",
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> None:
+    """Write one snapshot of the newest sealed version now."""
+    address = address_of(run_dir, log, coord, run, snapshots)
+    with _snapshotter(address, 1, 0.0, keep, best, every_steps, history) as snap:
+        result = snap.snapshot(force=True)
+    if result is None:
+        console.print("nothing new to snapshot")
+    else:
+        console.print(f"snapshot {result.snapshot_id}: version {result.version}, step "
+                      f"{result.step}, {result.seconds:.2f}s, deleted {len(result.deleted)}")
+
+
+@app.command("snapshotter")
+def snapshotter_cmd(
+    every: Every = 100, seconds: Seconds = 600.0, keep: Keep = 3, best: Best = None,
+    every_steps: EverySteps = None, history: History = "keep-all",
+    max_snapshots: Annotated[Optional[int], typer.Option("--max-snapshots", help="exit after N snapshots")] = None,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> None:
+    """Follow the run's log and snapshot it on a policy (a lease allows one writer)."""
+    from eventlog import FencedError
+
+    address = address_of(run_dir, log, coord, run, snapshots)
+    with _snapshotter(address, every, seconds, keep, best, every_steps, history) as snap:
+        try:
+            snap.run(max_snapshots=max_snapshots)
+        except FencedError as exc:
+            print(f"fenced: {exc}", file=sys.stderr)
+            raise typer.Exit(3) from None
+
+
+@app.command()
+def verify(
+    json_out: AsJson = False, workers: Workers = 2,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> None:
+    """Check every snapshot's files and digests and the log after them; non-zero on damage."""
+    from snapshotter.verify import verify_run
+
+    address = address_of(run_dir, log, coord, run, snapshots)
+    report = verify_run(address, workers=workers)
+    if json_out:
+        console.print_json(json.dumps({"ok": report.ok, "findings": [f.__dict__ for f in report.findings]}))
+    else:
+        table = Table(title=f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}")
+        for col in ("subject", "status", "detail"):
+            table.add_column(col, overflow="fold")
+        for f in report.findings:
+            table.add_row(f.subject, f.status, f.detail)
+        console.print(table)
+    raise typer.Exit(0 if report.ok else 1)
 
 
 def main() -> None:

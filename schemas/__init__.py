@@ -96,9 +96,9 @@ def load(version: int = SCHEMA_VERSION) -> EventSchema:
     """Parse one schema version and compute its single-object-encoding fingerprint."""
     parsed = fastavro.schema.parse_schema(envelope_json(version))
     canonical = fastavro.schema.to_parsing_canonical_form(parsed)
-    # fastavro returns the CRC-64-AVRO as big-endian hex; single-object encoding stores it
-    # little-endian.
-    fp = bytes.fromhex(fastavro.schema.fingerprint(canonical, "CRC-64-AVRO"))[::-1]
+    # fastavro's hex already lists the CRC-64-AVRO bytes little-endian, the order
+    # single-object encoding stores them in (spec vector: "null" -> 8a8f25cce724dd63).
+    fp = bytes.fromhex(fastavro.schema.fingerprint(canonical, "CRC-64-AVRO"))
     return EventSchema(version=version, parsed=parsed, canonical=canonical, fingerprint=fp)
 
 

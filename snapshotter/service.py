@@ -135,7 +135,7 @@ class Snapshotter:
         for state in self._shards:
             fold_shard(self._log, state, self._idx, target,
                        gt_offset=state.next_offset - 1 if state.next_offset else None)
-            state.drop_unlisted(layout.tensors)
+            state.conform(layout.tensors)
             verify_shard(state, target, self._idx.seals[target].seal, layout.tensors,
                          layout.chunk_bytes, seals, self.version)
         folded, self.version = target - self.version, target
