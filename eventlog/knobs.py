@@ -35,13 +35,14 @@ def codec_threads() -> int:
     return CODEC_THREADS or (os.cpu_count() or 1)
 
 
-#: Fault injection for crash tests: ``REWIND_FAULT_KILL=<version>:<event index>`` makes the
-#: recorder SIGKILL its own process inside that version's log transaction, after appending
-#: that many events. Unset in production; read once at import.
+#: Fault injection for crash tests: ``REWIND_FAULT_KILL=<point>`` makes the process SIGKILL
+#: itself when it reaches that point, e.g. ``commit:7:12`` (inside the log transaction of
+#: version 7, after 12 events) or ``snapshot:files:1`` (after a snapshot's second file).
+#: Unset in production; read once at import.
 _FAULT_KILL = os.environ.get("REWIND_FAULT_KILL", "")
 
 
-def fault_point(version: int, index: int) -> None:
-    """SIGKILL this process if ``REWIND_FAULT_KILL`` names this point of a commit."""
-    if _FAULT_KILL and _FAULT_KILL == f"{version}:{index}":
+def fault_point(*where: object) -> None:
+    """SIGKILL this process if ``REWIND_FAULT_KILL`` names this point."""
+    if _FAULT_KILL and _FAULT_KILL == ":".join(map(str, where)):
         os.kill(os.getpid(), signal.SIGKILL)

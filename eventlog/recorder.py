@@ -391,7 +391,7 @@ class Recorder:
             with self._writer.transaction() as txn:
                 gsn = first
                 for i, (shard, body) in enumerate(bodies + [(CONTROL, b) for b in control]):
-                    knobs.fault_point(version, i)
+                    knobs.fault_point("commit", version, i)
                     env = Envelope(self.run_id, gsn, version, job.step,
                                    CONTROL_SHARD if shard == CONTROL else shard,
                                    self.writer_id, now, body)

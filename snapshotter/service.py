@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from eventlog import FencedError, RunAddress, RunNotFoundError, serde
+from eventlog import FencedError, RunAddress, RunNotFoundError, knobs, serde
 from eventlog.apply import ShardState, verify_shard
 from eventlog.events import Body, Envelope, SnapshotBegin, SnapshotEnd
 from eventlog.fold import ControlIndex, FoldStart, SmallStates, fold_control, fold_shard, index_control, verify_small
@@ -175,6 +175,7 @@ class Snapshotter:
         sid = f"v{self.version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
         watermark = max([self._small.applied_gsn, *(s.applied_gsn for s in self._shards)])
         self._append(SnapshotBegin(sid, watermark, token), info.version, info.step)
+        knobs.fault_point("snapshot", "begun")
         next_offsets = [self._small.next_offset, *(s.next_offset for s in self._shards)]
         applied = [self._small.applied_gsn, *(s.applied_gsn for s in self._shards)]
         manifest = Manifest(
@@ -191,6 +192,7 @@ class Snapshotter:
         uri, digest = self.store.write(manifest, self._shards, self._small,
                                        workers=self.config.workers, before_manifest=self._check_lease)
         self._check_lease()
+        knobs.fault_point("snapshot", "written")
         self._append(SnapshotEnd(sid, tuple(next_offsets), tuple(applied), digest, uri, token),
                      info.version, info.step)
         self._coord.catalog_put(self.address.run_id, sid, {

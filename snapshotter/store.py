@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from eventlog import ConfigError, CorruptMessageError, RewindError
+from eventlog import ConfigError, CorruptMessageError, RewindError, knobs
 from eventlog.apply import ShardState, TensorBits
 from eventlog.fold import SmallStates
 from eventlog.tensorcodec import nbytes_of, torch_dtype
@@ -189,12 +189,16 @@ class SnapshotStore:
             use_bin_type=True,
         )
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            entries = list(pool.map(write_shard, shards))
+            entries = []
+            for i, entry in enumerate(pool.map(write_shard, shards)):
+                entries.append(entry)
+                knobs.fault_point("snapshot", "files", i)
         _atomic_write(folder / "small.msgpack", small_bytes)
         entries.append(FileEntry("small.msgpack", len(small_bytes), digest_hex(small_bytes)))
         _fsync_dir(folder)
         if before_manifest is not None:
             before_manifest()
+        knobs.fault_point("snapshot", "manifest")
         full = _with_files(manifest, entries)
         data = full.to_bytes()
         _atomic_write(folder / MANIFEST, data)

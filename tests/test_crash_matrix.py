@@ -70,7 +70,7 @@ def test_twenty_random_kills_then_resume_is_bit_exact(tmp_path: Path) -> None:
             rc = _trainer(recorded, "--kill-at", str(update))
         else:
             # Version v is the commit of update v-1: die after `index` events of its transaction.
-            rc = _trainer(recorded, env={"REWIND_FAULT_KILL": f"{update + 1}:{index}"})
+            rc = _trainer(recorded, env={"REWIND_FAULT_KILL": f"commit:{update + 1}:{index}"})
         assert rc == -signal.SIGKILL, f"kill point {(update, kind, index)} did not fire"
         restored = json.loads((recorded / "restore.json").read_text())
         # Each process restores what the previous one committed, never more, never less.
