@@ -243,6 +243,8 @@ class RebuiltState:
     counts: ApplyCounts
     per_shard: dict[int, ApplyCounts]
     index: ControlIndex
+    #: Where the fold started: a snapshot, or the start of the log.
+    source: str = "the start of the log"
 
     def tensors(self) -> Mapping[str, object]:
         """Every tensor's rebuilt bits by name."""
@@ -312,7 +314,8 @@ def rebuild(
     if len(info.seal.shard_counts) != layout.shard_count:
         raise IntegrityError(f"seal of version {version} counts {len(info.seal.shard_counts)} shards")
     return RebuiltState(
-        log.run_id, version, info.step, layout, shards, small, info, total, per_shard, idx
+        log.run_id, version, info.step, layout, shards, small, info, total, per_shard, idx,
+        start.source if start else "the start of the log",
     )
 
 

@@ -21,11 +21,13 @@ Kafka offsets are not dense: transaction markers and aborted records occupy offs
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
 import threading
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +42,11 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, ClusterMetadata, NewTopic
+from confluent_kafka.admin import (  # type: ignore[attr-defined]  # not re-exported in stubs
+    AdminClient,
+    ClusterMetadata,
+    NewTopic,
+)
 from tenacity import (
     Retrying,
     retry_if_exception,
@@ -69,7 +75,7 @@ FETCH_MAX_BYTES = 2 * TOPIC_MAX_MESSAGE_BYTES
 #: ``read_committed`` readers stall behind a crashed writer's open transaction.
 TRANSACTION_TIMEOUT_MS = 120_000
 #: Bound on one blocking librdkafka call (metadata, watermarks, admin requests).
-REQUEST_TIMEOUT_S = 15.0
+REQUEST_TIMEOUT_S = 10.0
 #: ``read`` gives up when no record or end-of-partition arrives for this long.
 READ_STALL_S = 60.0
 #: ``append`` gives up when the producer queue stays full (broker not taking data) this long.
@@ -78,7 +84,12 @@ QUEUE_FULL_S = 300.0
 MAX_READERS = max(4, os.cpu_count() or 1)
 
 _ROLES = ("producer", "consumer", "admin")
-_OURS = ("prefix", "replication")
+# Settings the log's guarantees rest on (fencing, exactly-once, visibility): not overridable.
+_PINNED = {
+    "transactional.id", "enable.idempotence", "acks", "isolation.level", "enable.auto.commit",
+    "enable.auto.offset.store", "enable.partition.eof", "group.id", "on_delivery", "error_cb",
+    "logger",
+}
 _TOPIC_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 _SECRET_KEY = re.compile(r"password|secret|token|key\.pem|credentials", re.IGNORECASE)
 
@@ -103,7 +114,7 @@ class KafkaSettings:
 
     def __init__(self, url: str) -> None:
         if not url.startswith("kafka://"):
-            raise ConfigError(f"not a Kafka URL (kafka://host:port[,...][?...]): {url!r}")
+            raise ConfigError(f"not a Kafka URL (kafka://host:port[,...][?...]): {redact(url)!r}")
         rest = url[len("kafka://"):]
         hosts, _, query = rest.partition("?")
         hosts = hosts.rstrip("/")
@@ -131,6 +142,8 @@ class KafkaSettings:
         self.by_role: dict[str, dict[str, str]] = {r: {} for r in _ROLES}
         for key, value in options.items():
             role, dot, sub = key.partition(".")
+            if (sub if dot and role in _ROLES else key) in _PINNED:
+                raise ConfigError(f"Kafka setting {key!r} is set by Rewind and cannot be changed")
             if dot and role in _ROLES:
                 self.by_role[role][sub] = value
             else:
@@ -138,8 +151,15 @@ class KafkaSettings:
         self.redacted_url = redact(url)
 
     def config(self, role: str, **ours: Any) -> dict[str, Any]:
-        """librdkafka config for one client: our settings, then the user's (which win)."""
-        conf: dict[str, Any] = {"bootstrap.servers": self.bootstrap, "logger": _log, **ours}
+        """librdkafka config for one client: our settings, then the user's (which win, except
+        for the pinned ones)."""
+        conf: dict[str, Any] = {
+            "bootstrap.servers": self.bootstrap,
+            "logger": _log,
+            # Small requests (commits, watermarks) would otherwise wait on Nagle's algorithm.
+            "socket.nagle.disable": True,
+            **ours,
+        }
         conf.update(self.common)
         conf.update(self.by_role[role])
         return conf
@@ -170,6 +190,12 @@ def _transient(exc: BaseException) -> bool:
     )
 
 
+def _offset(msg: Message) -> int:
+    """A consumed or delivered message's offset (librdkafka always sets it there)."""
+    offset = msg.offset()
+    return -1 if offset is None else offset
+
+
 def _describe(err: KafkaError | None, exc: BaseException) -> str:
     return f"{err.name()}: {err.str()}" if err is not None else str(exc)
 
@@ -184,7 +210,7 @@ def _wrap(exc: BaseException, what: str) -> RewindError:
     return EventLogError(f"{what}: {_describe(err, exc)}")
 
 
-def _retrying(attempts: int = 5, max_delay_s: float = 60.0) -> Retrying:
+def _retrying(attempts: int = 5, max_delay_s: float = 30.0) -> Retrying:
     """Bounded retries of transient Kafka errors, with exponential backoff up to 2 s."""
     return Retrying(
         stop=stop_after_attempt(attempts) | stop_after_delay(max_delay_s),
@@ -272,6 +298,8 @@ class _KafkaWriter(LogWriter):
         self._what = f"Kafka writer {self.transactional_id!r}"
         self._dead: RewindError | None = None
         self._delivery_error: str | None = None
+        # Highest offset delivered per (topic, partition) in the open transaction.
+        self._written: dict[tuple[str, int], int] = {}
         self._in_txn = False
         conf = log.settings.config(
             "producer",
@@ -286,7 +314,6 @@ class _KafkaWriter(LogWriter):
                 "transaction.timeout.ms": TRANSACTION_TIMEOUT_MS,
                 # Bounds librdkafka's copy of queued messages; a full queue is backpressure.
                 "queue.buffering.max.kbytes": 256 * 1024,
-                "delivery.report.only.error": True,
                 "on_delivery": self._on_delivery,
                 "error_cb": self._on_error,
             },
@@ -295,16 +322,20 @@ class _KafkaWriter(LogWriter):
         # The transaction coordinator may still be loading (fresh broker): retry a bounded
         # number of times. A successful init fences every older producer with this id.
         try:
-            _retrying(attempts=8, max_delay_s=120.0)(lambda: self._producer.init_transactions(30.0))
+            _retrying(attempts=8, max_delay_s=60.0)(lambda: self._producer.init_transactions(20.0))
         except KafkaException as exc:
             raise self._fail(exc, "initialising transactions") from exc
 
     # Callbacks run on the thread that polls (append, commit): they only record.
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
-        if err is not None and self._delivery_error is None:
-            self._delivery_error = (
-                f"message to {msg.topic()} [{msg.partition()}] failed: {err.name()}: {err.str()}"
-            )
+        if err is not None:
+            if self._delivery_error is None:
+                self._delivery_error = (
+                    f"message to {msg.topic()} [{msg.partition()}] failed: {err.name()}: {err.str()}"
+                )
+            return
+        key = (msg.topic() or "", msg.partition() or 0)
+        self._written[key] = max(self._written.get(key, -1), _offset(msg))
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal() or err.code() in _FENCING:
@@ -312,8 +343,10 @@ class _KafkaWriter(LogWriter):
         else:
             _log.warning("%s: %s: %s", self._what, err.name(), err.str())
 
-    def _error_for(self, err: KafkaError | None, doing: str, exc: BaseException | None = None) -> RewindError:
-        text = _describe(err, exc) if exc is not None else (f"{err.name()}: {err.str()}" if err else "")
+    def _error_for(
+        self, err: KafkaError | None, doing: str, exc: BaseException | None = None
+    ) -> RewindError:
+        text = _describe(err, exc or KafkaException(err))
         if err is not None and (err.code() in _FENCING or err.fatal()):
             if err.code() in _FENCING or "fenced" in err.str().lower():
                 return FencedError(
@@ -352,6 +385,7 @@ class _KafkaWriter(LogWriter):
             raise self._fail(exc, "beginning a transaction") from exc
         self._in_txn = True
         self._delivery_error = None
+        self._written = {}
         try:
             yield _KafkaTransaction(self)
         except BaseException as exc:
@@ -361,6 +395,7 @@ class _KafkaWriter(LogWriter):
             self._commit()
         finally:
             self._in_txn = False
+        self._await_visible()
 
     def _produce(self, partition: int, value: bytes) -> None:
         self._check_alive()
@@ -403,6 +438,34 @@ class _KafkaWriter(LogWriter):
                 raise EventLogError(f"{self._what}: transaction aborted: {cause}") from exc
             raise self._fail(exc, "committing a transaction") from exc
 
+    def _await_visible(self) -> None:
+        """Wait until ``read_committed`` readers see this transaction (read-your-writes).
+
+        commit_transaction returns once the commit is decided and durable; the coordinator
+        then writes the commit markers to each partition asynchronously, and only then does
+        the partition's last stable offset pass our records. Without this wait, a reader
+        right after a commit (restore after close, a test) could miss the newest version.
+        """
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S * 2
+        pending = dict(self._written)
+        delay = 0.001
+        while pending:
+            for (topic, kp), last in list(pending.items()):
+                partition = CONTROL if topic == self._log.control_topic else kp
+                try:
+                    if self._log.end_offset(partition) > last:
+                        del pending[(topic, kp)]
+                except RewindError as exc:  # the commit stands; only the wait failed
+                    _log.warning("%s: cannot confirm visibility: %s", self._what, exc)
+                    return
+            if pending and time.monotonic() > deadline:
+                _log.warning("%s: committed records of %s not yet visible after %.0f s",
+                             self._what, sorted(pending), REQUEST_TIMEOUT_S * 2)
+                return
+            if pending:
+                time.sleep(delay)
+                delay = min(delay * 2, 0.05)
+
     def _abort(self, cause: BaseException) -> None:
         """Abort the open transaction; failures are noted on ``cause`` (which is re-raised)."""
         self._in_txn = False
@@ -417,8 +480,12 @@ class _KafkaWriter(LogWriter):
     def close(self) -> None:
         """Flush and release the producer (an open transaction is aborted by close)."""
         try:
-            self._producer.flush(10.0)
-            self._producer.close()
+            with warnings.catch_warnings():
+                # A fenced producer warns that it cannot abort; being fenced was reported.
+                warnings.simplefilter("ignore", RuntimeWarning)
+                if self._dead is None:
+                    self._producer.flush(10.0)
+                self._producer.close()
         except (KafkaException, RuntimeError) as exc:
             _log.warning("%s: close: %s", self._what, exc)
 
@@ -427,102 +494,130 @@ class _KafkaWriter(LogWriter):
 class _Reader:
     """One ``read_committed`` consumer, assigned to one partition at a time (never a group member).
 
-    It remembers where its stream stands so that consecutive batch reads of a partition
-    (``scan``) continue without re-fetching: ``cursor`` is the offset after the last record
-    returned, ``stash`` holds records consumed but not yet returned (past the last ``lte``).
+    Between the batch reads of one scan it stays assigned, so the next batch continues from
+    what librdkafka already prefetched: ``cursor`` is the offset after the last record
+    returned, ``stash`` holds records consumed but not returned (they lay past ``stop``).
+    Once a read reaches its end, or the reader idles, it is parked (unassigned), so that a
+    cached consumer neither long-polls the broker nor prefetches chunks nobody asked for.
+    (Not pause/resume: pausing drops the prefetched messages anyway, and librdkafka only
+    resumes fetching on its next ~1 s broker wake-up.)
     """
 
     def __init__(self, conf: dict[str, Any]) -> None:
         self.consumer: Consumer = _client(Consumer, conf, "consumer")
         self.at: tuple[str, int] | None = None
         self.cursor = -1
+        # False until the current assignment delivered something: before that, position()
+        # may still describe the previous assignment.
+        self.live = False
+        self.known: set[str] = set()  # topics whose metadata this client has
         self.stash: deque[Message] = deque()
+        self.idle_since = time.monotonic()
+        self.gap = (0, 0)  # after a read: offsets known to hold no committed record
 
     def continues(self, topic: str, kp: int, start: int | None) -> bool:
         """True if reading ``(topic, kp)`` from ``start`` needs no repositioning."""
         if self.at != (topic, kp) or start is None:
             return False
         if self.stash:  # no committed record lies between cursor and the stashed one
-            return self.cursor <= start <= self.stash[0].offset()
+            return self.cursor <= start <= _offset(self.stash[0])
         return start == self.cursor
-
-    def watermarks(self, topic: str, kp: int) -> tuple[int, int] | None:
-        """``(low, last stable offset)``, or ``None`` if the partition does not exist."""
-        tp = TopicPartition(topic, kp)
-        what = f"reading offsets of {topic} [{kp}]"
-        try:
-            return _retrying()(lambda: self.consumer.get_watermark_offsets(
-                tp, timeout=REQUEST_TIMEOUT_S, cached=False))
-        except KafkaException as exc:
-            err = _kafka_error(exc)
-            if err is None or err.code() not in _UNKNOWN:
-                raise _wrap(exc, what) from exc
-        # Maybe only our metadata cache is stale (topic created since): refresh and ask again.
-        md = _call(what, lambda: self.consumer.list_topics(topic, timeout=REQUEST_TIMEOUT_S))
-        count = _partition_count(md, topic)
-        if count is None or kp >= count:
-            return None
-        return _call(what, lambda: self.consumer.get_watermark_offsets(
-            tp, timeout=REQUEST_TIMEOUT_S, cached=False))
 
     def fetch(self, partition: int, topic: str, kp: int, start: int, stop: int,
               limit: int | None) -> list[Record]:
         """Committed records with ``start <= offset < stop``, at most ``limit`` of them."""
         where = f"{topic} [{kp}]"
-        if not self.continues(topic, kp, start):
-            self.stash.clear()
-            try:
+        tp = TopicPartition(topic, kp)
+        try:
+            if topic not in self.known:
+                # Fetching a topic the client has no metadata for waits for librdkafka's
+                # 1 s topic scan; asking for it now fills the metadata cache at once.
+                self.consumer.list_topics(topic, timeout=REQUEST_TIMEOUT_S)
+                self.known.add(topic)
+            if not self.continues(topic, kp, start):
+                self.stash.clear()
                 self.consumer.assign([TopicPartition(topic, kp, start)])
-            except KafkaException as exc:
-                raise _wrap(exc, f"assigning {where} at offset {start}") from exc
-            self.at, self.cursor = (topic, kp), start
+                self.at, self.cursor, self.live = (topic, kp), start, False
+        except KafkaException as exc:
+            self.at = None
+            raise _wrap(exc, f"positioning at {where} offset {start}") from exc
+        self.gap = (0, 0)
+        out = self._fetch(partition, where, tp, stop, limit)
+        if len(out) < (limit or 1 << 62):
+            self.park()  # the read reached its end: no batch follows right away
+        return out
+
+    def _fetch(self, partition: int, where: str, tp: TopicPartition, stop: int,
+               limit: int | None) -> list[Record]:
         want = limit if limit is not None else 1 << 62
         out: list[Record] = []
-        done = False
         while self.stash and len(out) < want:
-            if self.stash[0].offset() >= stop:
+            if _offset(self.stash[0]) >= stop:
                 return out
             msg = self.stash.popleft()
-            out.append(Record(partition, msg.offset(), msg.value() or b""))
-            self.cursor = msg.offset() + 1
+            out.append(Record(partition, _offset(msg), msg.value() or b""))
+            self.cursor = _offset(msg) + 1
         stalled_at = time.monotonic() + READ_STALL_S
+        done = False
         while not done and len(out) < want:
             try:
-                # Take what is already fetched without waiting; otherwise wait for one.
-                msgs = self.consumer.consume(min(want - len(out), 1000), 0) or \
-                    self.consumer.consume(1, 0.1)
+                # Take what is already fetched without waiting.
+                msgs = self.consumer.consume(min(want - len(out), 1000), 0)
+                if not msgs:
+                    # Transaction markers and aborted records occupy offsets without yielding
+                    # a record (consume skips them silently): once the position passes
+                    # ``stop`` there is nothing more to wait for.
+                    if self.live and not self.stash and self._position(tp, where) >= stop:
+                        break
+                    # Wait briefly for the next one; short, so the position is checked often.
+                    msgs = self.consumer.consume(1, 0.01)
             except (KafkaException, RuntimeError) as exc:
                 raise _wrap(exc, f"reading {where}") from exc
             for msg in msgs:
+                self.live = True
                 err = msg.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
-                        done = done or msg.offset() >= stop
+                        done = done or _offset(msg) >= stop
                     elif err.fatal() or err.code() in _UNKNOWN:
                         raise EventLogError(f"reading {where}: {err.name()}: {err.str()}")
                     else:  # librdkafka recovers from the rest itself; the stall bound still holds
                         _log.warning("reading %s: %s: %s", where, err.name(), err.str())
                     continue
                 stalled_at = time.monotonic() + READ_STALL_S
-                if done or msg.offset() >= stop or len(out) >= want:
+                if done or _offset(msg) >= stop or len(out) >= want:
                     self.stash.append(msg)
                     done = True
                     continue
-                out.append(Record(partition, msg.offset(), msg.value() or b""))
-                self.cursor = msg.offset() + 1
-            if not done and not self.stash:
-                # Transaction markers occupy offsets: the position passes them with no record.
-                try:
-                    pos = self.consumer.position([TopicPartition(topic, kp)])[0].offset
-                except KafkaException as exc:
-                    raise _wrap(exc, f"reading {where}") from exc
-                done = pos >= stop
+                out.append(Record(partition, _offset(msg), msg.value() or b""))
+                self.cursor = _offset(msg) + 1
             if not done and time.monotonic() > stalled_at:
                 raise EventLogError(
                     f"reading {where}: no record for {READ_STALL_S:.0f} s before offset {stop} "
                     f"(at {self.cursor}); is the broker reachable?"
                 )
+        if self.live and not self.stash:
+            # Everything consumed was returned, so [cursor, position) holds only markers
+            # and aborted records; committed history never changes, so that stays true.
+            self.gap = (self.cursor, self._position(tp, where))
         return out
+
+    def _position(self, tp: TopicPartition, where: str) -> int:
+        try:
+            return int(self.consumer.position([tp])[0].offset)
+        except KafkaException as exc:
+            raise _wrap(exc, f"reading {where}") from exc
+
+    def park(self) -> None:
+        """Stop fetching (unassign); the next read repositions."""
+        if self.at is None:
+            return
+        self.at, self.live = None, False
+        self.stash.clear()
+        try:
+            self.consumer.unassign()
+        except KafkaException as exc:
+            _log.warning("unassigning a Kafka consumer: %s", exc)
 
     def close(self) -> None:
         try:
@@ -532,7 +627,13 @@ class _Reader:
 
 
 class _ReaderPool:
-    """Consumers shared by the threads of one ``KafkaLog`` (a consumer is not thread-safe)."""
+    """Consumers shared by the threads of one ``KafkaLog`` (a consumer is not thread-safe).
+
+    A janitor thread parks readers left assigned but idle for ``PARK_AFTER_S`` (a scan that
+    stopped early), and exits once none is left.
+    """
+
+    PARK_AFTER_S = 1.0
 
     def __init__(self, make: Callable[[], _Reader], size: int) -> None:
         self._make, self._size = make, size
@@ -540,6 +641,7 @@ class _ReaderPool:
         self._count = 0
         self._cond = threading.Condition()
         self._closed = False
+        self._janitor: threading.Thread | None = None
 
     @contextmanager
     def borrow(self, topic: str, kp: int, start: int | None) -> Iterator[_Reader]:
@@ -550,13 +652,23 @@ class _ReaderPool:
             yield reader
             ok = True
         finally:
-            with self._cond:
-                if ok and not self._closed:
-                    self._idle.append(reader)
-                else:  # its stream state is unknown after an error: start afresh next time
-                    self._count -= 1
-                    reader.close()
-                self._cond.notify()
+            self._give_back(reader, ok)
+
+    def _give_back(self, reader: _Reader, ok: bool) -> None:
+        with self._cond:
+            if ok and not self._closed:
+                reader.idle_since = time.monotonic()
+                self._idle.append(reader)
+                if reader.at is not None and self._janitor is None:
+                    self._janitor = threading.Thread(
+                        target=self._park_idle, name="rewind-kafka-park", daemon=True)
+                    self._janitor.start()
+                reader = None  # type: ignore[assignment]
+            else:  # its stream state is unknown after an error: start afresh next time
+                self._count -= 1
+            self._cond.notify()
+        if reader is not None:
+            reader.close()
 
     def _take(self, topic: str, kp: int, start: int | None) -> _Reader:
         deadline = time.monotonic() + READ_STALL_S * 5
@@ -566,6 +678,10 @@ class _ReaderPool:
                     raise EventLogError("the Kafka log is closed")
                 for i, r in enumerate(self._idle):
                     if r.continues(topic, kp, start):
+                        return self._idle.pop(i)
+                # Then a parked one, then a new one: an assigned one may be continued soon.
+                for i, r in enumerate(self._idle):
+                    if r.at is None:
                         return self._idle.pop(i)
                 if self._count < self._size:
                     self._count += 1
@@ -583,6 +699,23 @@ class _ReaderPool:
                 self._count -= 1
                 self._cond.notify()
             raise
+
+    def _park_idle(self) -> None:
+        while True:
+            time.sleep(self.PARK_AFTER_S / 2)
+            with self._cond:
+                now = time.monotonic()
+                due = [r for r in self._idle
+                       if r.at is not None and now - r.idle_since >= self.PARK_AFTER_S]
+                for r in due:
+                    self._idle.remove(r)
+                if not due and (self._closed or all(r.at is None for r in self._idle)):
+                    self._janitor = None
+                    return
+            for r in due:
+                r.park()
+            for r in due:
+                self._give_back(r, True)
 
     def close(self) -> None:
         with self._cond:
@@ -618,11 +751,21 @@ class KafkaLog(EventLog):
                 "fetch.max.bytes": FETCH_MAX_BYTES,
                 "max.partition.fetch.bytes": TOPIC_MAX_MESSAGE_BYTES,
                 "receive.message.max.bytes": FETCH_MAX_BYTES + 1024 * 1024,
-                "fetch.wait.max.ms": 50,
+                # A new assignment waits for the fetch in flight (a long poll at the partition
+                # end) to return: keep that poll short. Readers are parked when idle.
+                "fetch.wait.max.ms": 10,
                 "check.crcs": True,
             },
         )
         self._readers = _ReaderPool(lambda: _Reader(consumer_conf), MAX_READERS)
+        # Watermark queries get their own idle client: on a fetching consumer's connection
+        # they would queue behind its long-poll fetch requests (tens of ms each).
+        self._offsets: Consumer | None = None
+        self._offsets_conf = consumer_conf
+        self._offsets_lock = threading.Lock()
+        # Per partition, the last offset range a read found holding only transaction markers
+        # and aborted records (a scan's final read usually asks for exactly that range).
+        self._gaps: dict[tuple[str, int], tuple[int, int]] = {}
 
     def _where(self, partition: int, produce: bool = False) -> tuple[str, int]:
         """The topic and Kafka partition of a log partition."""
@@ -700,7 +843,7 @@ class KafkaLog(EventLog):
 
         for topic in topics:
             try:
-                _call(f"{what}: topic {topic}", lambda: create_one(topic))
+                _call(f"{what}: topic {topic}", functools.partial(create_one, topic))
             except TimeoutError as exc:  # a future that never completed
                 raise EventLogError(f"{what}: topic {topic}: no answer from the broker") from exc
 
@@ -745,21 +888,52 @@ class KafkaLog(EventLog):
         if limit is not None and limit <= 0:
             return []
         first = None if gt is None else gt + 1
-        with self._readers.borrow(topic, kp, first) as reader:
-            marks = reader.watermarks(topic, kp)
-            if marks is None:
-                return []
-            low, high = marks
-            start = low if first is None else max(low, first)
-            stop = high if lte is None else min(high, lte + 1)
-            if start >= stop:
-                return []
-            return reader.fetch(partition, topic, kp, start, stop, limit)
+        marks = self._marks(topic, kp)
+        if marks is None:
+            return []
+        low, high = marks
+        start = low if first is None else max(low, first)
+        stop = high if lte is None else min(high, lte + 1)
+        if start >= stop:
+            return []
+        gap = self._gaps.get((topic, kp))
+        if gap is not None and gap[0] <= start and stop <= gap[1]:
+            return []  # e.g. only the commit marker after the last record: no fetch needed
+        with self._readers.borrow(topic, kp, start) as reader:
+            out = reader.fetch(partition, topic, kp, start, stop, limit)
+            if reader.gap[1] > reader.gap[0]:
+                self._gaps[(topic, kp)] = reader.gap
+            return out
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
         topic, kp = self._where(partition)
-        with self._readers.borrow(topic, kp, None) as reader:
-            return reader.watermarks(topic, kp) or (0, 0)
+        return self._marks(topic, kp) or (0, 0)
+
+    def _marks(self, topic: str, kp: int) -> tuple[int, int] | None:
+        """``(low, last stable offset)``, or ``None`` if the partition does not exist."""
+        with self._offsets_lock:
+            if self._offsets is None:
+                self._offsets = _client(Consumer, self._offsets_conf, "consumer")
+            return self._query_marks(self._offsets, topic, kp)
+
+    @staticmethod
+    def _query_marks(consumer: Consumer, topic: str, kp: int) -> tuple[int, int] | None:
+        tp = TopicPartition(topic, kp)
+        what = f"reading offsets of {topic} [{kp}]"
+        try:
+            return _retrying()(lambda: consumer.get_watermark_offsets(
+                tp, timeout=REQUEST_TIMEOUT_S, cached=False))
+        except KafkaException as exc:
+            err = _kafka_error(exc)
+            if err is None or err.code() not in _UNKNOWN:
+                raise _wrap(exc, what) from exc
+        # Maybe only our metadata cache is stale (topic created since): refresh and ask again.
+        md = _call(what, lambda: consumer.list_topics(topic, timeout=REQUEST_TIMEOUT_S))
+        count = _partition_count(md, topic)
+        if count is None or kp >= count:
+            return None
+        return _call(what, lambda: consumer.get_watermark_offsets(
+            tp, timeout=REQUEST_TIMEOUT_S, cached=False))
 
     def end_offset(self, partition: int) -> int:
         """The last stable offset: the committed end (past any trailing transaction marker)."""
@@ -794,3 +968,10 @@ class KafkaLog(EventLog):
     def close(self) -> None:
         """Close the cached consumers (writers are closed by whoever opened them)."""
         self._readers.close()
+        with self._offsets_lock:
+            if self._offsets is not None:
+                try:
+                    self._offsets.close()
+                except (KafkaException, RuntimeError) as exc:
+                    _log.warning("closing a Kafka consumer: %s", exc)
+                self._offsets = None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ class RestoreResult:
     applied: int = 0
     skipped: int = 0
     seconds: float = 0.0
+    source: str = ""
     detail: RebuiltState | None = field(default=None, repr=False)
 
     @property
@@ -148,6 +150,9 @@ class Recorder:
         self._chunk_bytes = chunk_bytes
         self._restorer = restorer
         self.writer_id = writer_id or f"{self.run_id}.trainer"
+        # Events name the writer and this process's session: a new session after the same
+        # writer id marks a recovery in the run's history.
+        self.session = uuid.uuid4().hex[:8]
         self._log: EventLog = self.address.open_log()
         self._coord: Coordinator = self.address.open_coordinator()
         if self._log.shard_count() is not None:
@@ -272,7 +277,7 @@ class Recorder:
         return RestoreResult(
             step=state.step, version=state.version, applied=c.applied,
             skipped=c.skipped_by_snapshot + c.skipped_duplicate + c.skipped_unsealed,
-            seconds=time.perf_counter() - t0, detail=state,
+            seconds=time.perf_counter() - t0, source=state.source, detail=state,
         )
 
     def close(self) -> None:
@@ -394,7 +399,7 @@ class Recorder:
                     knobs.fault_point("commit", version, i)
                     env = Envelope(self.run_id, gsn, version, job.step,
                                    CONTROL_SHARD if shard == CONTROL else shard,
-                                   self.writer_id, now, body)
+                                   f"{self.writer_id}#{self.session}", now, body)
                     txn.append(shard, self._serialize(env))
                     gsn += 1
         except BaseException:

@@ -101,6 +101,10 @@ return 0
 """
 
 
+def _text(raw: bytes | str) -> str:
+    return raw.decode() if isinstance(raw, bytes) else raw
+
+
 def redact(url: str) -> str:
     """``url`` without its password (in the userinfo or a ``password=`` option)."""
     parts = urlsplit(url)
@@ -124,9 +128,10 @@ def _coordinated(fn: Callable[P, R]) -> Callable[P, R]:
         try:
             return self._retrying(fn, *args, **kwargs)
         except AuthenticationError as exc:
+            problem = "the password was rejected" if self._has_password else (
+                "the server requires a password and the URL gives none")
             raise CoordinationError(
-                f"{what}: the password was rejected or is missing ({exc}); check the URL's "
-                "password (redis://:PASSWORD@host:port/db)"
+                f"{what}: {problem} ({exc}); put it in the URL: redis://:PASSWORD@host:port/db"
             ) from exc
         except (AuthorizationError, NoPermissionError) as exc:
             raise CoordinationError(f"{what}: the Redis user lacks a permission ({exc})") from exc
@@ -150,6 +155,9 @@ class RedisCoordinator(Coordinator):
 
     def __init__(self, url: str, clock: Callable[[], float] | None = None) -> None:
         self.url = redact(url)
+        parts = urlsplit(url)
+        self._has_password = parts.password is not None or any(
+            k.lower() == "password" for k, _ in parse_qsl(parts.query))
         self._clock = clock
         try:
             # Our tenacity policy is the only retry layer (the client's own is off), and
@@ -227,7 +235,7 @@ class RedisCoordinator(Coordinator):
         """Every cached snapshot entry of the run."""
         out: dict[str, dict[str, Any]] = {}
         for sid, raw in self._r.hgetall(self._key(run, "catalog")).items():
-            name = sid.decode()
+            name = _text(sid)
             try:
                 out[name] = json.loads(raw)
             except ValueError as exc:
@@ -279,7 +287,7 @@ class RedisCoordinator(Coordinator):
         for name, raw in self._r.hgetall(self._key(run, "followers")).items():
             try:
                 doc = json.loads(raw)
-                out[name.decode()] = {"version": int(doc["version"]), "time_ms": int(doc["time_ms"])}
+                out[_text(name)] = {"version": int(doc["version"]), "time_ms": int(doc["time_ms"])}
             except (ValueError, KeyError, TypeError) as exc:
                 raise CoordinationError(
                     f"Redis coordinator {self.url}: follower {name!r} of run {run!r} has a bad "

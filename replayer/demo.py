@@ -72,6 +72,7 @@ def run_demo(
     log: str | None = None,
     coord: str | None = None,
     run: str | None = None,
+    snapshot_every: int = 10,
     console: Console | None = None,
 ) -> DemoResult:
     """Run the whole demo and print its table; returns the verdict."""
@@ -85,9 +86,12 @@ def run_demo(
         shutil.rmtree(d, ignore_errors=True)
     run_id = run or f"demo-{random.SystemRandom().randrange(16**8):08x}"
     log_url = log or f"sqlite://{(crashed / 'rewind.db').resolve()}"
-    address = RunAddress(log_url, coord or log_url, run_id)
+    address = RunAddress(log_url, coord or log_url, run_id,
+                         f"file://{(crashed / 'snapshots').resolve()}")
     common = ["--updates", str(updates), "--seed", str(seed), "--quiet-progress"]
-    rec = ["--record", "--log", address.log_url, "--coord", address.coord_url, "--run", run_id]
+    rec = ["--record", "--log", address.log_url, "--coord", address.coord_url, "--run", run_id,
+           "--snapshots", f"file://{(crashed / 'snapshots').resolve()}",
+           "--snapshot-every", str(snapshot_every)]
 
     columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn())
@@ -118,6 +122,7 @@ def run_demo(
         ("updates", str(updates)),
         ("killed (SIGKILL) during update", str(kill_at)),
         ("recovered version / step", f"{restored['version']} / {restored['step']}"),
+        ("recovered from", restored.get("source") or "-"),
         ("events applied on recovery", str(restored["applied"])),
         ("events skipped on recovery", str(restored["skipped"])),
         ("recovery seconds", f"{restored['seconds']:.3f}"),

@@ -48,6 +48,10 @@ from torch import nn
 from torch.distributions import Categorical
 
 from eventlog import Recorder, RunAddress
+from replayer.replay import restorer
+from snapshotter.policies import every_versions, keep_last
+from snapshotter.service import Snapshotter, SnapshotterConfig, start_background
+from snapshotter.store import SnapshotStore
 
 __all__ = [
     "ENV_ID",
@@ -892,7 +896,8 @@ class PPOTrainer:
 
 
 def make_recorder(trainer: PPOTrainer, address: RunAddress) -> Recorder:
-    """Plug Rewind's recorder into the trainer: every piece of state it owns is recorded."""
+    """Plug Rewind's recorder into the trainer: every piece of state it owns is recorded,
+    and a restore starts from the newest good snapshot plus the log tail."""
     return Recorder(
         address,
         model=trainer.model,
@@ -901,6 +906,7 @@ def make_recorder(trainer: PPOTrainer, address: RunAddress) -> Recorder:
         sampler=trainer.sampler,
         rng=True,
         extra={"env": trainer.env},
+        restorer=restorer(address),
     )
 
 
@@ -968,7 +974,7 @@ def run(
         start = 0 if resume.step is None else int(resume.step) + 1
         _write_json(rdir / "restore.json", {
             "step": resume.step, "version": resume.version, "applied": resume.applied,
-            "skipped": resume.skipped, "seconds": resume.seconds,
+            "skipped": resume.skipped, "seconds": resume.seconds, "source": resume.source,
         })
         emit(f"resuming after update {resume.step}" if resume.step is not None else "fresh run")
 
@@ -1044,6 +1050,9 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log", default=None, help="log URL (default: the run dir's sqlite file)")
     p.add_argument("--coord", default=None, help="coordinator URL (default: same as --log)")
     p.add_argument("--run", default="ppo", help="run id")
+    p.add_argument("--snapshots", default=None, help="snapshot store URL (default: RUN_DIR/snapshots)")
+    p.add_argument("--snapshot-every", type=int, default=0,
+                   help="snapshot every N versions from a background thread (0: off)")
     p.add_argument("--kill-at", type=int, default=None,
                    help="SIGKILL during update K, before it is committed (crash testing)")
     p.add_argument("--rollout-steps", type=int, default=PPOConfig.rollout_steps)
@@ -1074,9 +1083,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     _check_run_dir_config(run_dir, config)
 
     factory: RecorderFactory | None = None
+    background = None
     if args.record:
         log_url = args.log or f"sqlite://{(run_dir / 'rewind.db').resolve()}"
-        address = RunAddress(log_url, args.coord or log_url, args.run)
+        snapshots = args.snapshots or f"file://{(run_dir / 'snapshots').resolve()}"
+        address = RunAddress(log_url, args.coord or log_url, args.run, snapshots)
+        if args.snapshot_every:
+            # The embedded case: the snapshotter runs as a thread inside the trainer.
+            snap_config = SnapshotterConfig(trigger=every_versions(args.snapshot_every),
+                                            retention=keep_last(3), poll_interval_s=0.2)
+            background = start_background(Snapshotter(
+                address, SnapshotStore(snapshots), snap_config,
+                holder=f"{args.run}.trainer-snapshotter"))
 
         def factory(trainer: PPOTrainer, rdir: Path) -> Recorder:
             return make_recorder(trainer, address)
@@ -1095,6 +1113,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_dir=run_dir,
         log=log,
     )
+    if background is not None:
+        thread, stop = background
+        stop.set()
+        thread.join(timeout=60)
     n = len(result.metrics)
     per = result.seconds / n if n else 0.0
     print(

@@ -118,7 +118,10 @@ class Snapshotter:
     def catch_up(self) -> int:
         """Fold every newly sealed version; returns how many were folded."""
         if self._idx is None:
-            self._idx = index_control(self._log)
+            try:
+                self._idx = index_control(self._log)
+            except RunNotFoundError:
+                return 0  # nothing sealed yet: look again on the next poll
             self._start_from_snapshot()
         else:
             index_control(self._log, self._idx)
