@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -17,7 +18,6 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 
 from eventlog import RewindError, RunAddress, Target
-from eventlog.fold import index_control
 
 from .replay import ReplayReport, replay, write_checkpoint
 
@@ -133,28 +133,80 @@ def history(
     json_out: AsJson = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
 ) -> None:
-    """List the run's sealed versions: step, time, writer, bytes, metrics."""
+    """List versions, steps, times, metrics, snapshot markers, recoveries and writers."""
+    from .audit import history as run_history
+    from .audit import history_json
+
     address = address_of(run_dir, log, coord, run)
-    with address.open_log() as lg:
-        idx = index_control(lg)
-    rows = [
-        {"version": i.version, "step": i.step, "gsn": i.gsn, "offset": i.offset,
-         "time_ms": i.time_ms, "writer": i.writer, "raw_bytes": i.seal.raw_bytes,
-         "encoded_bytes": i.seal.encoded_bytes, "metrics": idx.metrics.get(i.version, {})}
-        for i in sorted(idx.seals.values(), key=lambda i: i.version)
-    ]
+    _, rows = run_history(address)
     if json_out:
-        console.print_json(json.dumps(rows))
+        console.print_json(json.dumps(history_json(rows)))
         return
-    table = Table(title=f"history of {address.run_id}")
-    for col in ("version", "step", "gsn", "writer", "encoded/raw", "metrics"):
-        table.add_column(col)
+    table = Table(title=f"history of {address.run_id} (--json for every field)")
+    for col in ("kind", "version", "step", "time", "session", "detail", "metrics"):
+        table.add_column(col, overflow="fold")
     for r in rows:
-        metrics = ", ".join(f"{k}={v:.4g}" for k, v in sorted(r["metrics"].items())[:4])
-        ratio = r["encoded_bytes"] / r["raw_bytes"] if r["raw_bytes"] else 0.0
-        table.add_row(str(r["version"]), str(r["step"]), str(r["gsn"]), r["writer"],
-                      f"{ratio:.3f}", metrics)
+        metrics = " ".join(f"{k[:12]}={v:.3g}" for k, v in sorted(r.metrics.items())[:2])
+        when = time.strftime("%H:%M:%S", time.localtime(r.time_ms / 1000))
+        session = r.writer.rpartition("#")[2] if "#" in r.writer else r.writer
+        detail = r.detail.replace("xor-delta/blosc2-zstd, ", "")
+        table.add_row(r.kind, str(r.version), str(r.step), when, session, detail, metrics)
     console.print(table)
+
+
+@app.command()
+def export(
+    out: Annotated[Path, typer.Option("--out", help="directory to write")],
+    to: To = "latest",
+    fmt: Annotated[str, typer.Option("--format", help="torch, safetensors or hf")] = "torch",
+    config_hook: Annotated[Optional[str], typer.Option("--config-hook", help="module:function writing HF config.json")] = None,
+    workers: Workers = 2,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> None:
+    """Write the state at any reachable point (time travel) as torch, safetensors or HF."""
+    from .export import export as do_export
+
+    address = address_of(run_dir, log, coord, run, snapshots)
+    state, report = _replay_with_progress(address, Target.parse(to), workers)
+    for path in do_export(state, report, out, fmt, config_hook):
+        console.print(f"wrote {path}")
+    console.print(f"exported version {report.version} (step {report.step})")
+
+
+@app.command()
+def diff(
+    from_: Annotated[str, typer.Option("--from", help="first point, e.g. step=10")],
+    to: To = "latest", json_out: AsJson = False, workers: Workers = 2,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> None:
+    """Per tensor: how many elements changed, the L2 norm of the change, bit equality."""
+    from .audit import diff as run_diff
+
+    address = address_of(run_dir, log, coord, run, snapshots)
+    rows = run_diff(address, Target.parse(from_), Target.parse(to), workers=workers)
+    if json_out:
+        console.print_json(json.dumps([r.__dict__ for r in rows]))
+        return
+    table = Table(title=f"diff {from_} -> {to}")
+    for col in ("tensor", "dtype", "shape", "changed", "L2 of change", "bit-equal"):
+        table.add_column(col, overflow="fold")
+    for r in rows:
+        table.add_row(r.name, r.dtype, str(r.shape), str(r.changed), f"{r.l2:.6g}",
+                      "yes" if r.bit_equal else "no")
+    console.print(table)
+
+
+@app.command()
+def plot(
+    out: Annotated[Path, typer.Option("--out", help="PNG file to write")],
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+) -> None:
+    """Draw a PNG timeline of metrics, versions, snapshots and recoveries."""
+    from .audit import plot as run_plot
+
+    console.print(f"wrote {run_plot(address_of(run_dir, log, coord, run), out)}")
 
 
 def _policies(every: int, seconds: float, keep: int, best: Optional[str], every_steps: Optional[int]):  # type: ignore[no-untyped-def]

@@ -1,0 +1,57 @@
+"""Exporting the state at any reachable point: torch checkpoint, safetensors, or an HF dir."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+
+from eventlog import ConfigError, RewindError
+from eventlog.fold import RebuiltState
+
+from .replay import ReplayReport, state_dicts, write_checkpoint
+
+FORMATS = ("torch", "safetensors", "hf")
+
+
+def load_hook(spec: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """The user's ``module:function`` that builds an HF ``config.json`` from the state dicts."""
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise ConfigError(f"config hook {spec!r} must look like package.module:function")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"config hook {spec!r} cannot be loaded: {exc}") from exc
+    if not callable(fn):
+        raise ConfigError(f"config hook {spec!r} is not callable")
+    return fn  # type: ignore[no-any-return]
+
+
+def export(
+    state: RebuiltState, report: ReplayReport, out: Path, fmt: str, config_hook: str | None = None
+) -> list[Path]:
+    """Write ``state`` in ``fmt`` under ``out``; returns the files written."""
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if fmt == "torch":
+        return write_checkpoint(state, report, out)
+    trees = state_dicts(state)
+    if "model" not in trees:
+        raise RewindError("the run recorded no model: nothing to export as safetensors")
+    out.mkdir(parents=True, exist_ok=True)
+    model = {k: v.contiguous() for k, v in trees["model"].items()}
+    path = out / "model.safetensors"
+    safetensors.torch.save_file(model, str(path), metadata={
+        "run_id": state.run_id, "version": str(state.version), "step": str(state.step)})
+    written = [path]
+    if fmt == "hf" and config_hook:
+        config = load_hook(config_hook)(trees)
+        cfg = out / "config.json"
+        cfg.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        written.append(cfg)
+    return written
