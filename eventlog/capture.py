@@ -9,14 +9,19 @@ references in place of tensors. Every other object's whole ``state_dict`` is a s
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import torch
 
+from . import statecodec, tensorcodec
 from .errors import StateMismatchError
+from .fold import RebuiltState
 from .statecodec import TensorRef
+
+#: Objects whose tensors go to the tensor shards; every other object is a small state.
+TENSOR_ROLES = ("model", "optimizer")
 
 
 @runtime_checkable
@@ -108,3 +113,43 @@ def check_model_fits(
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise StateMismatchError(f"{name!r} does not match the recorded run: {shown}")
 
+
+
+def rebuilt_tensors(state: RebuiltState) -> dict[str, torch.Tensor]:
+    """Every rebuilt tensor as a torch tensor, by log name."""
+    return {
+        name: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape)
+        for shard in state.shards for name, t in shard.tensors.items()
+    }
+
+
+def recorded_trees(state: RebuiltState, names: Iterable[str] | None = None) -> dict[str, Any]:
+    """The recorded ``state_dict`` trees by name (tensor roles re-assembled from the shards)."""
+    wanted = list(state.small.states) if names is None else list(names)
+    missing = [n for n in wanted if n not in state.small.states]
+    if missing:
+        raise StateMismatchError(
+            f"run {state.run_id!r} recorded no state for {', '.join(map(repr, missing))} "
+            f"(it has: {', '.join(sorted(state.small.states))})"
+        )
+    tensors = rebuilt_tensors(state) if any(n in TENSOR_ROLES for n in wanted) else {}
+    trees = {}
+    for name in wanted:
+        tree = statecodec.unpack(state.small.states[name], f"small state {name!r}")
+        trees[name] = unflatten(tree, tensors) if name in TENSOR_ROLES else tree
+    return trees
+
+
+def load_into(objects: Mapping[str, Stateful], state: RebuiltState) -> None:
+    """Load a rebuilt state into live objects; on any mismatch nothing is loaded."""
+    recorded = {s.name: (s.dtype, tuple(s.shape)) for s in state.layout.tensors}
+    for role in TENSOR_ROLES:
+        if role in objects:
+            check_model_fits(role, objects[role], recorded)
+    # Decode and check everything before loading anything: a failed restore changes nothing.
+    trees = recorded_trees(state, objects)
+    for name, tree in trees.items():
+        try:
+            objects[name].load_state_dict(tree)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise StateMismatchError(f"cannot load recorded {name!r}: {exc}") from exc

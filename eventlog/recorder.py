@@ -23,14 +23,13 @@ import torch
 
 from . import knobs, serde, statecodec, tensorcodec
 from .backends import RunAddress
-from .capture import GlobalRng, Stateful, check_model_fits, flatten, unflatten
+from .capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
 from .digests import shard_digest, small_digest, state_digest, tensor_digest
 from .errors import (
     ConfigError,
     RewindError,
     RunNotFoundError,
     StaleVersionError,
-    StateMismatchError,
 )
 from .events import (
     CONTROL_SHARD,
@@ -51,8 +50,6 @@ from .layout import assign_shards, config_digest
 from .ports import CONTROL, Coordinator, EventLog
 
 REWIND_VERSION = "0.1.0"
-#: Objects whose tensors go to the tensor shards; every other object is a small state.
-TENSOR_ROLES = ("model", "optimizer")
 _KINDS: dict[str, type[Any]] = {
     "scheduler": SchedulerStep, "sampler": SamplerCursor, "rng": RngAdvance,
 }
@@ -239,30 +236,7 @@ class Recorder:
             # and the coordinator forgets any version the crashed commit had claimed.
             self._coord.reset_version(self.run_id, 0)
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
-        recorded = {s.name: (s.dtype, tuple(s.shape)) for s in state.layout.tensors}
-        for role in TENSOR_ROLES:
-            if role in self._objects:
-                check_model_fits(role, self._objects[role], recorded)
-        tensors = {
-            name: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape)
-            for shard in state.shards for name, t in shard.tensors.items()
-        }
-        # Check and decode everything before loading anything: a restore that fails
-        # leaves every object as it was.
-        trees = {}
-        for name in self._objects:
-            if name not in state.small.states:
-                raise StateMismatchError(
-                    f"run {self.run_id!r} recorded no state for {name!r} "
-                    f"(it has: {', '.join(sorted(state.small.states))})"
-                )
-            tree = statecodec.unpack(state.small.states[name], f"small state {name!r}")
-            trees[name] = unflatten(tree, tensors) if name in TENSOR_ROLES else tree
-        for name, tree in trees.items():
-            try:
-                self._objects[name].load_state_dict(tree)
-            except (RuntimeError, KeyError, ValueError, TypeError) as exc:
-                raise StateMismatchError(f"cannot load recorded {name!r}: {exc}") from exc
+        load_into(self._objects, state)
         # The restored state becomes the XOR base of the next commit.
         self._prev = {n: t.bits.copy() for s in state.shards for n, t in s.tensors.items()}
         self._prev_chunks = {}

@@ -17,11 +17,10 @@ from typing import Any
 
 import torch
 
-from eventlog import RunAddress, Target, statecodec, tensorcodec
-from eventlog.capture import unflatten
+from eventlog import RunAddress, Target
+from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
 from eventlog.fold import RebuiltState, index_control, rebuild
 from eventlog.ports import EventLog
-from eventlog.recorder import TENSOR_ROLES
 from snapshotter.catalog import newest_valid
 from snapshotter.store import SnapshotStore
 
@@ -98,22 +97,9 @@ def restorer(address: RunAddress, workers: int = 2) -> Callable[[EventLog], Rebu
     return restore
 
 
-def tensors_of(state: RebuiltState) -> dict[str, torch.Tensor]:
-    """Every rebuilt tensor as a torch tensor, by log name."""
-    return {
-        name: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape)
-        for shard in state.shards for name, t in shard.tensors.items()
-    }
-
-
-def state_dicts(state: RebuiltState) -> dict[str, Any]:
-    """The recorded objects' ``state_dict`` trees, by role (model, optimizer, ...)."""
-    tensors = tensors_of(state)
-    out: dict[str, Any] = {}
-    for name, raw in state.small.states.items():
-        tree = statecodec.unpack(raw, f"small state {name!r}")
-        out[name] = unflatten(tree, tensors) if name in TENSOR_ROLES else tree
-    return out
+#: Every rebuilt tensor by log name, and the recorded state_dict trees by role.
+tensors_of = rebuilt_tensors
+state_dicts = recorded_trees
 
 
 def write_checkpoint(state: RebuiltState, report: ReplayReport, out: Path) -> list[Path]:
