@@ -212,21 +212,47 @@ def fold_shard(
     version: int,
     gt_offset: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
+    settle_s: float = 5.0,
+    since_version: int = 0,
 ) -> ShardState:
-    """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one."""
+    """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.
+
+    Partitions of one transaction may become visible a moment apart (each gets its own
+    commit marker), so while the target's seal counts more events than were seen, the
+    end offset is polled again for up to ``settle_s`` seconds. Versions up to
+    ``since_version`` are already in ``state`` (a snapshot, or an earlier fold).
+    """
     sealed = {v for v in idx.seals if v <= version}
     t0 = time.perf_counter()
-    end = log.end_offset(state.shard) - 1
-    for offset, nbytes, env in events(log, state.shard, gt=gt_offset, lte=end):
-        if env.version > version:
-            break  # one writer per partition: versions never go back after this
-        where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
-        state.apply(env, sealed, nbytes, where)
-        state.next_offset = offset + 1
-        if on_bytes is not None:
-            on_bytes(nbytes)
+    gt = gt_offset
+    deadline = time.monotonic() + settle_s
+    while True:
+        end = log.end_offset(state.shard) - 1
+        done = False
+        for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
+            if env.version > version:
+                done = True  # one writer per partition: versions never go back after this
+                break
+            where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
+            state.apply(env, sealed, nbytes, where)
+            state.next_offset = offset + 1
+            gt = offset
+            if on_bytes is not None:
+                on_bytes(nbytes)
+        if done or version <= since_version or not _short(state, idx, version) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     state.counts.seconds = time.perf_counter() - t0
     return state
+
+
+def _short(state: ShardState, idx: ControlIndex, version: int) -> bool:
+    """Whether the target version's seal counts more events on this shard than were applied."""
+    info = idx.seals.get(version)
+    if info is None or state.shard >= len(info.seal.shard_counts):
+        return False
+    return state.applied_per_version.get(version, 0) < info.seal.shard_counts[state.shard]
 
 
 @dataclass
@@ -298,7 +324,8 @@ def rebuild(
     def one(shard: int) -> ShardState:
         state = start.shards[shard] if start else ShardState(shard)
         gt = start.next_offsets[shard + 1] - 1 if start else None
-        fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes)
+        fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes,
+                   since_version=start.version if start else 0)
         state.conform(layout.tensors)
         verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
                      start.version if start else 0)

@@ -76,6 +76,8 @@ FETCH_MAX_BYTES = 2 * TOPIC_MAX_MESSAGE_BYTES
 TRANSACTION_TIMEOUT_MS = 120_000
 #: Bound on one blocking librdkafka call (metadata, watermarks, admin requests).
 REQUEST_TIMEOUT_S = 10.0
+#: After a commit, how long a writer waits for its records to become readable.
+VISIBLE_WAIT_S = 5.0
 #: ``read`` gives up when no record or end-of-partition arrives for this long.
 READ_STALL_S = 60.0
 #: ``append`` gives up when the producer queue stays full (broker not taking data) this long.
@@ -446,7 +448,10 @@ class _KafkaWriter(LogWriter):
         the partition's last stable offset pass our records. Without this wait, a reader
         right after a commit (restore after close, a test) could miss the newest version.
         """
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S * 2
+        # Bounded: another writer's open transaction on the same partition (a snapshotter
+        # writing markers to control) holds the last stable offset back; waiting longer
+        # would only stall the trainer.
+        deadline = time.monotonic() + VISIBLE_WAIT_S
         pending = dict(self._written)
         delay = 0.001
         while pending:
@@ -460,7 +465,7 @@ class _KafkaWriter(LogWriter):
                     return
             if pending and time.monotonic() > deadline:
                 _log.warning("%s: committed records of %s not yet visible after %.0f s",
-                             self._what, sorted(pending), REQUEST_TIMEOUT_S * 2)
+                             self._what, sorted(pending), VISIBLE_WAIT_S)
                 return
             if pending:
                 time.sleep(delay)

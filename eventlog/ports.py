@@ -2,7 +2,8 @@
 
 A run's log has a control partition (``CONTROL = -1``: run layout, small states, seals,
 snapshot markers, in global commit order) and one partition per tensor shard (0..S-1).
-Offsets are per partition and dense; only committed transactions are ever visible.
+Offsets increase within a partition but need not be dense (Kafka's transaction markers
+use offsets too); only committed transactions are ever visible.
 """
 
 from __future__ import annotations

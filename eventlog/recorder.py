@@ -45,7 +45,7 @@ from .events import (
     TensorDelta,
     TensorSpec,
 )
-from .fold import RebuiltState, Target, rebuild
+from .fold import RebuiltState, Target, index_control, rebuild
 from .layout import assign_shards, config_digest
 from .ports import CONTROL, Coordinator, EventLog
 
@@ -241,6 +241,8 @@ class Recorder:
         self._prev = {n: t.bits.copy() for s in state.shards for n, t in s.tensors.items()}
         self._prev_chunks = {}
         self._specs = state.layout.tensors
+        # Chunk boundaries are part of the digests: keep the run's, whatever this process set.
+        self._chunk_bytes = state.layout.chunk_bytes
         self._small = dict(state.small.states)
         self._version = state.version
         self._last_gsn = max([state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
@@ -358,7 +360,7 @@ class Recorder:
             state_digest(shard_digests, small_dig), "xor-delta/blosc2-zstd", raw, enc))
 
         self._log.create(self._shards)
-        self._coord.compare_and_set_version(self.run_id, base, version)
+        self._claim_version(base, version)
         try:
             count = len(bodies) + len(control)
             first = self._coord.allocate_gsns(self.run_id, count)
@@ -390,6 +392,19 @@ class Recorder:
         self._specs, self._small = specs, dict(job.small)
         self._version, self._last_gsn = version, first + count - 1
         return CommitResult(version, job.step, count, raw, enc, time.perf_counter() - t0)
+
+    def _claim_version(self, base: int, version: int) -> None:
+        """The version CAS; if the coordinator lost its state (Redis flushed or restarted
+        empty), rebuild it from the log, the truth, and claim again once."""
+        try:
+            self._coord.compare_and_set_version(self.run_id, base, version)
+        except StaleVersionError as exc:
+            if exc.actual != 0 or base == 0:
+                raise
+            if index_control(self._log).latest_version() != base:
+                raise
+            self._coord.reset_version(self.run_id, base)
+            self._coord.compare_and_set_version(self.run_id, base, version)
 
     def _encode(
         self, job: _Job, spec_of: Mapping[str, TensorSpec]
