@@ -209,6 +209,28 @@ def plot(
     console.print(f"wrote {run_plot(address_of(run_dir, log, coord, run), out)}")
 
 
+@app.command()
+def followers(
+    json_out: AsJson = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+) -> None:
+    """List the run's followers (actors): the version each runs and its lag behind the newest."""
+    from .follower import followers_table
+
+    address = address_of(run_dir, log, coord, run)
+    rows = followers_table(address)
+    if json_out:
+        console.print_json(json.dumps(rows))
+        return
+    table = Table(title=f"followers of {address.run_id}")
+    for col in ("name", "version", "latest", "lag", "last report"):
+        table.add_column(col, justify="left" if col == "name" else "right")
+    for r in rows:
+        table.add_row(r["name"], str(r["version"]), str(r["latest_version"]), str(r["lag"]),
+                      f"{r['seconds_since_report']:.1f}s ago")
+    console.print(table)
+
+
 def _policies(every: int, seconds: float, keep: int, best: Optional[str], every_steps: Optional[int]):  # type: ignore[no-untyped-def]
     from snapshotter.policies import every_seconds, every_versions, keep_best, keep_every, keep_last
 

@@ -20,15 +20,19 @@ import pytest
 from eventlog import RunAddress, Target
 from eventlog.fold import index_control, rebuild
 
+from .conftest import make_address
+
 UPDATES = 14
 TRAINER = ["--updates", str(UPDATES), "--rollout-steps", "64", "--epochs", "2", "--quiet"]
 
 
-def _trainer(run_dir: Path, *extra: str, env: dict[str, str] | None = None, record: bool = True) -> int:
+def _trainer(run_dir: Path, *extra: str, env: dict[str, str] | None = None,
+             address: RunAddress | None = None) -> int:
     cmd = [sys.executable, "-m", "replayer.ppo", "--run-dir", str(run_dir), *TRAINER,
            "--digest-file", str(run_dir / "digests.jsonl"), *extra]
-    if record:
-        cmd.append("--record")
+    if address is not None:
+        cmd += ["--record", "--log", address.log_url, "--coord", address.coord_url,
+                "--run", address.run_id]
     proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
                           timeout=300)
     if proc.returncode not in (0, -signal.SIGKILL):
@@ -61,30 +65,36 @@ def kill_plan(seed: int, count: int = 20) -> list[tuple[int, str, int]]:
 
 
 @pytest.mark.slow
-def test_twenty_random_kills_then_resume_is_bit_exact(tmp_path: Path) -> None:
+def test_twenty_random_kills_then_resume_is_bit_exact(backend: str, tmp_path: Path) -> None:
     seed = int(os.environ.get("REWIND_CRASH_SEED", "20261129"))
     plan = kill_plan(seed)
     recorded, reference = tmp_path / "recorded", tmp_path / "reference"
+    recorded.mkdir()
+    if backend == "embedded":
+        url = f"sqlite://{recorded / 'rewind.db'}"
+        address = RunAddress(url, url, "ppo")
+    else:
+        address = make_address(backend, tmp_path)
     for update, kind, index in plan:
         if kind == "before-commit":
-            rc = _trainer(recorded, "--kill-at", str(update))
+            rc = _trainer(recorded, "--kill-at", str(update), address=address)
         else:
             # Version v is the commit of update v-1: die after `index` events of its transaction.
-            rc = _trainer(recorded, env={"REWIND_FAULT_KILL": f"commit:{update + 1}:{index}"})
+            rc = _trainer(recorded, env={"REWIND_FAULT_KILL": f"commit:{update + 1}:{index}"},
+                          address=address)
         assert rc == -signal.SIGKILL, f"kill point {(update, kind, index)} did not fire"
         restored = json.loads((recorded / "restore.json").read_text())
         # Each process restores what the previous one committed, never more, never less.
         assert restored["version"] == (0 if restored["step"] is None else restored["step"] + 1)
         assert restored["skipped"] == 0
-    assert _trainer(recorded) == 0
-    assert _trainer(reference, record=False) == 0
+    assert _trainer(recorded, address=address) == 0
+    assert _trainer(reference) == 0
 
     got, want = _last_digests(recorded / "digests.jsonl"), _last_digests(reference / "digests.jsonl")
     assert sorted(got) == list(range(UPDATES))
     assert got == want, "resumed run diverged from the uninterrupted run"
 
     # The log holds every version exactly once, each one sealed and verified.
-    address = RunAddress.from_run_dir(recorded)
     with address.open_log() as log:
         idx = index_control(log)
         assert sorted(idx.seals) == list(range(1, UPDATES + 1))
