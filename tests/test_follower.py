@@ -172,9 +172,10 @@ def test_followers_table_lists_each_followers_version_and_lag(run: RunAddress) -
     trainer.rec.close()
 
 
-def test_a_damaged_tail_covered_by_a_snapshot_is_resynced(run: RunAddress, backend: str) -> None:
-    if backend != "embedded":
-        pytest.skip("damages a record in place, which only the embedded database allows")
+def test_a_damaged_tail_covered_by_a_snapshot_is_resynced(tmp_path: Path) -> None:
+    # Damages a record in place, which only the embedded database allows.
+    run = dataclasses.replace(make_address("embedded", tmp_path),
+                              snapshots_url=f"file://{tmp_path / 'snapshots'}")
     trainer = Trainer(run)
     trainer.commit(1)
     with Follower(run, _net(1), max_lag=8) as follower:
