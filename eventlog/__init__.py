@@ -2,6 +2,7 @@
 
 from .backends import RunAddress, list_runs, open_coordinator, open_log
 from .capture import Stateful
+from .crypto import AuthenticationError, Keyring
 from .errors import (
     ConfigError,
     CoordinationError,
@@ -25,7 +26,7 @@ from .fold import Target
 from .recorder import CommitResult, Recorder, RestoreResult
 
 __all__ = [
-    "CommitResult", "ConfigError", "CoordinationError", "CorruptMessageError",
+    "AuthenticationError", "Keyring", "CommitResult", "ConfigError", "CoordinationError", "CorruptMessageError",
     "CorruptStoreError", "DecodeError", "DigestMismatchError", "EventLogError", "FencedError",
     "IntegrityError", "Recorder", "RestoreResult", "RewindError", "RunAddress",
     "RunNotFoundError", "StaleVersionError", "StateMismatchError", "Stateful", "Target",

@@ -76,35 +76,31 @@ class CommitSealed:
 
 
 @dataclass(frozen=True)
-class SchedulerStep:
+class _NamedState:
+    """A named small state, msgpack bytes (the shape the four small-state records share)."""
+
+    name: str
+    state: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SchedulerStep(_NamedState):
     """LR scheduler state after a step (msgpack)."""
 
-    name: str
-    state: bytes = field(repr=False)
-
 
 @dataclass(frozen=True)
-class RngAdvance:
+class RngAdvance(_NamedState):
     """RNG states after a step (msgpack)."""
 
-    name: str
-    state: bytes = field(repr=False)
-
 
 @dataclass(frozen=True)
-class SamplerCursor:
+class SamplerCursor(_NamedState):
     """Sampler / data-cursor state (msgpack)."""
 
-    name: str
-    state: bytes = field(repr=False)
-
 
 @dataclass(frozen=True)
-class CustomState:
+class CustomState(_NamedState):
     """A user ``Stateful`` object's state, or the optimizer's param groups (msgpack)."""
-
-    name: str
-    state: bytes = field(repr=False)
 
 
 @dataclass(frozen=True)
@@ -199,6 +195,8 @@ class Envelope:
     writer: str
     time_ms: int
     body: Body
+    #: Schema v2: the key that encrypted the body's payload/state (``None``: plaintext).
+    key_id: str | None = None
 
     def to_avro(self) -> dict[str, Any]:
         """The record fastavro writes (the union branch named explicitly)."""
@@ -211,7 +209,7 @@ class Envelope:
         """Build from a record read with ``return_record_name=True``."""
         name, body = record["body"]
         body_cls = BODY_TYPES[name]
-        fields = {f.name: record[f.name] for f in dataclasses.fields(cls) if f.name != "body"}
+        fields = {f.name: record.get(f.name) for f in dataclasses.fields(cls) if f.name != "body"}
         return cls(**fields, body=_from_avro(body_cls, body))
 
     @property

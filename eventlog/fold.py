@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import serde
+from . import crypto, serde
 from .apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
 from .digests import small_digest
 from .errors import (
@@ -132,7 +132,7 @@ def events(
         env = serde.decode(rec.value, where)
         if env.run_id != log.run_id:
             raise WrongRunError(f"{where}: event belongs to run {env.run_id!r}")
-        yield rec.offset, len(rec.value), env
+        yield rec.offset, len(rec.value), crypto.decrypt_event(env, where)
 
 
 def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlIndex:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import knobs, serde, statecodec, tensorcodec
+from . import crypto, knobs, serde, statecodec, tensorcodec
 from .backends import RunAddress
 from .capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
 from .digests import shard_digest, small_digest, state_digest, tensor_digest
@@ -369,6 +369,7 @@ class Recorder:
                 self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
                 first = self._coord.allocate_gsns(self.run_id, count)
             now = int(time.time() * 1000)
+            keys = crypto.keyring()
             with self._writer.transaction() as txn:
                 gsn = first
                 for i, (shard, body) in enumerate(bodies + [(CONTROL, b) for b in control]):
@@ -376,6 +377,8 @@ class Recorder:
                     env = Envelope(self.run_id, gsn, version, job.step,
                                    CONTROL_SHARD if shard == CONTROL else shard,
                                    f"{self.writer_id}#{self.session}", now, body)
+                    if keys is not None:
+                        env = crypto.encrypt_event(env, keys)
                     txn.append(shard, self._serialize(env))
                     gsn += 1
         except BaseException:

@@ -16,7 +16,7 @@ from typing import Any
 import fastavro.schema
 
 #: The schema version new events are written with.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 #: Files in dependency order: a type is defined before any type that names it.
 _FILES = (

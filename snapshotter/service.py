@@ -137,7 +137,8 @@ class Snapshotter:
         seals = {v: s.seal for v, s in self._idx.seals.items()}
         for state in self._shards:
             fold_shard(self._log, state, self._idx, target,
-                       gt_offset=state.next_offset - 1 if state.next_offset else None)
+                       gt_offset=state.next_offset - 1 if state.next_offset else None,
+                       since_version=self.version)
             state.conform(layout.tensors)
             verify_shard(state, target, self._idx.seals[target].seal, layout.tensors,
                          layout.chunk_bytes, seals, self.version)
@@ -293,9 +294,16 @@ class Snapshotter:
 
 
 def start_background(snapshotter: Snapshotter) -> tuple[threading.Thread, threading.Event]:
-    """Run a snapshotter in a daemon thread inside the trainer (embedded use)."""
+    """Run a snapshotter in a daemon thread inside the trainer (embedded use); setting the
+    returned event stops it and releases its lease."""
     stop = threading.Event()
-    thread = threading.Thread(target=snapshotter.run, args=(stop,), name="rewind-snapshotter",
-                              daemon=True)
+
+    def serve() -> None:
+        try:
+            snapshotter.run(stop)
+        finally:
+            snapshotter.release()
+
+    thread = threading.Thread(target=serve, name="rewind-snapshotter", daemon=True)
     thread.start()
     return thread, stop

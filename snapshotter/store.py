@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 import xxhash
 
-from eventlog import ConfigError, CorruptMessageError, RewindError, knobs
+from eventlog import ConfigError, CorruptMessageError, RewindError, crypto, knobs
 from eventlog.apply import ShardState, TensorBits
 from eventlog.fold import SmallStates
 from eventlog.tensorcodec import nbytes_of, torch_dtype
@@ -68,6 +68,8 @@ class Manifest:
     fencing_token: int
     layout: str  # the run layout (a RunStarted message, base64): the log's may be truncated
     metrics: dict[str, float] = field(default_factory=dict)
+    #: The key that encrypted the data files (``None``: plaintext).
+    key_id: str | None = None
 
     def to_bytes(self) -> bytes:
         """The manifest file's exact bytes (sorted keys, so its digest is stable)."""
@@ -178,16 +180,23 @@ class SnapshotStore:
             raise RewindError(f"snapshot {folder} already exists; snapshots are never overwritten")
         folder.mkdir(parents=True, exist_ok=True)
 
+        keys = crypto.keyring()
+
+        def seal(name: str, data: bytes) -> bytes:
+            if keys is None:
+                return data
+            return keys.encrypt(data, _file_aad(manifest.run_id, manifest.snapshot_id, name))
+
         def write_shard(state: ShardState) -> FileEntry:
-            data = shard_file_bytes(state)
             name = f"shard-{state.shard}.safetensors"
+            data = seal(name, shard_file_bytes(state))
             _atomic_write(folder / name, data)
             return FileEntry(name, len(data), digest_hex(data))
 
-        small_bytes = msgpack.packb(
+        small_bytes = seal("small.msgpack", msgpack.packb(
             {"states": small.states, "kinds": small.kinds, "applied_gsn": small.applied_gsn},
             use_bin_type=True,
-        )
+        ))
         with ThreadPoolExecutor(max(1, workers)) as pool:
             entries = []
             for i, entry in enumerate(pool.map(write_shard, shards)):
@@ -199,7 +208,7 @@ class SnapshotStore:
         if before_manifest is not None:
             before_manifest()
         knobs.fault_point("snapshot", "manifest")
-        full = _with_files(manifest, entries)
+        full = _with_files(manifest, entries, keys.active if keys else None)
         data = full.to_bytes()
         _atomic_write(folder / MANIFEST, data)
         _fsync_dir(folder)
@@ -221,8 +230,10 @@ class SnapshotStore:
             raise SnapshotCorruptError(f"{path}: manifest names {m.run_id}/{m.snapshot_id}")
         return m
 
-    def read_file(self, run_id: str, snapshot_id: str, entry: FileEntry) -> bytes:
-        """One file's bytes, verified against its manifest entry."""
+    def read_file(
+        self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None
+    ) -> bytes:
+        """One file's bytes, verified against its manifest entry (and decrypted)."""
         path = self.directory(run_id, snapshot_id) / entry.name
         if "/" in entry.name or entry.name.startswith("."):
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: bad file name {entry.name!r}")
@@ -236,7 +247,11 @@ class SnapshotStore:
             )
         if digest_hex(data) != entry.xxh3:
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} fails its xxh3 checksum")
-        return data
+        if key_id is None:
+            return data
+        where = f"snapshot {snapshot_id} {entry.name}"
+        return crypto.require(key_id, where).decrypt(
+            key_id, data, _file_aad(run_id, snapshot_id, entry.name), where)
 
     def load(
         self, run_id: str, snapshot_id: str, expect_digest: bytes | None, *, workers: int = 2
@@ -249,7 +264,7 @@ class SnapshotStore:
             name = f"shard-{shard}.safetensors"
             if name not in entries:
                 raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks {name}")
-            data = self.read_file(run_id, snapshot_id, entries[name])
+            data = self.read_file(run_id, snapshot_id, entries[name], m.key_id)
             gsn = m.applied_gsns[shard + 1]
             tensors = load_shard_file(data, shard, f"snapshot {snapshot_id} {name}")
             return ShardState(shard, tensors, applied_gsn=gsn, snapshot_gsn=gsn, version=m.version)
@@ -258,7 +273,7 @@ class SnapshotStore:
             shards = list(pool.map(load_shard, range(m.shard_count)))
         if "small.msgpack" not in entries:
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks small.msgpack")
-        raw = self.read_file(run_id, snapshot_id, entries["small.msgpack"])
+        raw = self.read_file(run_id, snapshot_id, entries["small.msgpack"], m.key_id)
         try:
             doc = msgpack.unpackb(raw, raw=False)
             small = SmallStates(dict(doc["states"]), dict(doc["kinds"]), int(doc["applied_gsn"]))
@@ -278,10 +293,15 @@ class SnapshotStore:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _with_files(manifest: Manifest, files: list[FileEntry]) -> Manifest:
+def _with_files(manifest: Manifest, files: list[FileEntry], key_id: str | None) -> Manifest:
     data = {k: getattr(manifest, k) for k in Manifest.__dataclass_fields__}
-    data["files"] = files
+    data["files"], data["key_id"] = files, key_id
     return Manifest(**data)
+
+
+def _file_aad(run_id: str, snapshot_id: str, name: str) -> bytes:
+    """Binds an encrypted snapshot file to its run, snapshot and name."""
+    return f"rewind-snapshot|{run_id}|{snapshot_id}|{name}".encode()
 
 
 def metrics_of(values: Mapping[str, float] | None) -> dict[str, float]:
