@@ -47,6 +47,7 @@ from eventlog.events import (
 )
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "v1"
+CURRENT_DIR = Path(__file__).resolve().parent / "data" / f"v{schemas.SCHEMA_VERSION}"
 MAGIC = b"\xc3\x01"
 
 # ----------------------------------------------------------------------------- samples
@@ -219,7 +220,7 @@ def _named_refs(node: Any) -> set[str]:
     return set()
 
 
-def avro_envelope_schema(version: int = 1) -> avro.schema.RecordSchema:
+def avro_envelope_schema(version: int = schemas.SCHEMA_VERSION) -> avro.schema.RecordSchema:
     """Parse ``schemas/v<version>/*.avsc`` with Apache avro, definitions before uses.
 
     The dependency order is worked out from the files themselves (not taken from Rewind's
@@ -265,19 +266,22 @@ def avro_decode(schema: avro.schema.RecordSchema, data: bytes) -> tuple[dict[str
     record = avro.io.DatumReader(schema).read(avro.io.BinaryDecoder(reader))
     assert reader.tell() == len(body), f"{len(body) - reader.tell()} bytes left after the record"
 
-    # The Python reader returns a union's value without its branch; read the branch index
-    # with avro's own decoder, then the body alone with the branch's schema.
+    # The Python reader returns a union's value without its branch; read the fields again
+    # with avro's own decoder, taking the branch index of the ``body`` union.
     reader = io.BytesIO(body)
     decoder = avro.io.BinaryDecoder(reader)
-    for f in schema.fields[:-1]:
-        avro.io.DatumReader(f.type).read(decoder)
-    union = schema.fields[-1].type
-    assert isinstance(union, avro.schema.UnionSchema)
-    branch = union.schemas[decoder.read_long()]
-    body_again = avro.io.DatumReader(branch).read(decoder)
+    branch_name = ""
+    for f in schema.fields:
+        if f.name != "body":
+            avro.io.DatumReader(f.type).read(decoder)
+            continue
+        union = f.type
+        assert isinstance(union, avro.schema.UnionSchema)
+        branch = union.schemas[decoder.read_long()]
+        branch_name = branch.fullname
+        assert avro.io.DatumReader(branch).read(decoder) == record["body"]
     assert reader.tell() == len(body)
-    assert body_again == record["body"]
-    return record, branch.fullname
+    return record, branch_name
 
 
 def avro_encode(schema: avro.schema.RecordSchema, record: dict[str, Any], branch: str) -> bytes:
@@ -285,13 +289,15 @@ def avro_encode(schema: avro.schema.RecordSchema, record: dict[str, Any], branch
     SchedulerStep and RngAdvance have the same fields, so avro cannot guess it)."""
     out = io.BytesIO()
     encoder = avro.io.BinaryEncoder(out)
-    for f in schema.fields[:-1]:
-        avro.io.DatumWriter(f.type).write(record[f.name], encoder)
-    union = schema.fields[-1].type
-    assert isinstance(union, avro.schema.UnionSchema)
-    (index,) = [i for i, s in enumerate(union.schemas) if s.fullname == branch]
-    encoder.write_long(index)
-    avro.io.DatumWriter(union.schemas[index]).write(record["body"], encoder)
+    for f in schema.fields:
+        if f.name != "body":
+            avro.io.DatumWriter(f.type).write(record[f.name], encoder)
+            continue
+        union = f.type
+        assert isinstance(union, avro.schema.UnionSchema)
+        (index,) = [i for i, s in enumerate(union.schemas) if s.fullname == branch]
+        encoder.write_long(index)
+        avro.io.DatumWriter(union.schemas[index]).write(record["body"], encoder)
     return out.getvalue()
 
 
@@ -363,14 +369,14 @@ def test_real_recorded_messages_decode_with_apache_avro(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------- golden v1 data
 
 
-def regenerate_golden(folder: Path = GOLDEN_DIR) -> None:
-    """Write one v1 message of every event type (run only on purpose, see module doc)."""
-    assert schemas.SCHEMA_VERSION == 1, "golden v1 files can only be written while v1 is current"
-    assert schemas.load(1).fingerprint == V1_FINGERPRINT, "fingerprint must be little-endian"
+def regenerate_golden(folder: Path = CURRENT_DIR) -> None:
+    """Write one message of every event type with the current schema (on purpose only, see
+    the module doc); older versions' files are never rewritten."""
+    assert folder == CURRENT_DIR, "only the current schema version's golden files are written"
     folder.mkdir(parents=True, exist_ok=True)
     for kind, env in sample_envelopes().items():
         data = serde.encode(env)
-        assert data[2:10] == V1_FINGERPRINT
+        assert data[2:10] == schemas.load().fingerprint
         (folder / f"{kind}.bin").write_bytes(data)
 
 
@@ -414,12 +420,11 @@ def test_golden_v1_message_decodes_with_apache_avro(kind: str) -> None:
     assert record["run_id"] == "run-é✓-42"
 
 
-@pytest.mark.skipif(schemas.SCHEMA_VERSION != 1, reason="only while v1 is the writer schema")
-def test_v1_writer_still_produces_the_golden_bytes() -> None:
-    """While v1 is current, an edit to an .avsc without a version bump is caught here."""
-    assert schemas.load().fingerprint == V1_FINGERPRINT
+def test_current_writer_still_produces_its_golden_bytes() -> None:
+    """An edit to an .avsc without a version bump is caught here."""
     for kind in sample_bodies():
-        data = (GOLDEN_DIR / f"{kind}.bin").read_bytes()
+        data = (CURRENT_DIR / f"{kind}.bin").read_bytes()
+        assert data[2:10] == schemas.load().fingerprint
         assert serde.encode(serde.decode(data)) == data, kind
 
 
@@ -428,4 +433,4 @@ if os.environ.get("REWIND_REGEN_GOLDEN") == "1":
 
 if __name__ == "__main__":
     regenerate_golden()
-    print(f"wrote {len(BODY_TYPES)} golden messages to {GOLDEN_DIR}")
+    print(f"wrote {len(BODY_TYPES)} golden messages to {CURRENT_DIR}")
