@@ -197,10 +197,10 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
     """
     total = len(bits)
     off, n = delta.byte_offset, delta.byte_length
-    if not (0 <= delta.chunk_index < delta.chunk_count) or off < 0 or n <= 0 or off + n > total:
+    if not _is_chunk_of(total, delta.chunk_index, delta.chunk_count, off, n):
         raise CorruptMessageError(
             f"{where}: chunk {delta.chunk_index}/{delta.chunk_count} range "
-            f"[{off}, {off + n}) is outside tensor {delta.name!r} of {total} bytes"
+            f"[{off}, {off + n}) is not a chunk of tensor {delta.name!r} of {total} bytes"
         )
     if delta.encoding not in (TensorDelta.FULL, TensorDelta.XOR):
         raise CorruptMessageError(f"{where}: unknown encoding {delta.encoding!r}")
@@ -220,6 +220,23 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
             f"xxh3 digest {digest(produced).hex()} differs from the recorded {delta.digest.hex()}"
         )
     target[:] = produced
+
+
+def _is_chunk_of(total: int, index: int, count: int, off: int, n: int) -> bool:
+    """Whether ``[off, off+n)`` is chunk ``index`` of ``count`` of a ``total``-byte tensor,
+    as ``chunk_ranges`` cuts it (all chunks but the last have one size, a multiple of 16).
+    A valid payload moved to another place is refused before its digest is even checked."""
+    if not (0 <= index < count) or off < 0 or n <= 0 or off + n > total:
+        return False
+    if index < count - 1:
+        step = n
+    elif index == 0:
+        return off == 0 and n == total and count == 1
+    else:
+        step, rest = divmod(off, index)
+        if rest or off + n != total or n > step:
+            return False
+    return step % 16 == 0 and off == index * step and count == -(-total // step)
 
 
 def _decompress(payload: bytes, n: int, where: str) -> np.ndarray:

@@ -80,19 +80,55 @@ class Manifest:
         """Parse and type-check a manifest, or raise ``SnapshotCorruptError``."""
         try:
             raw = json.loads(data)
-            files = [FileEntry(**f) for f in raw.pop("files")]
-            m = cls(files=files, **raw)
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise SnapshotCorruptError(f"{where}: manifest is not valid ({exc})") from exc
-        ints = [m.format, m.version, m.step, m.shard_count, m.created_ms, m.fencing_token]
-        lists = [*m.applied_gsns, *m.next_offsets, *(f.bytes for f in m.files)]
-        if not all(isinstance(v, int) and v >= 0 for v in ints + lists):
-            raise SnapshotCorruptError(f"{where}: manifest has a non-integer or negative count")
-        if len(m.applied_gsns) != m.shard_count + 1 or len(m.next_offsets) != m.shard_count + 1:
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise SnapshotCorruptError(f"{where}: manifest is not JSON ({exc})") from exc
+        if not isinstance(raw, dict) or set(raw) - _FIELDS.keys() or \
+                set(_FIELDS) - set(raw) - {"metrics", "key_id"}:
+            raise SnapshotCorruptError(f"{where}: manifest fields are not the expected ones")
+        for name, check in _FIELDS.items():
+            if name in raw and not check(raw[name]):
+                raise SnapshotCorruptError(f"{where}: manifest field {name!r} is invalid")
+        m = cls(**{**raw, "files": [FileEntry(**f) for f in raw["files"]]})
+        if len(m.applied_gsns) != m.shard_count + 1 or len(m.next_offsets) != m.shard_count + 1 \
+                or len(m.shard_digests) != m.shard_count:
             raise SnapshotCorruptError(f"{where}: manifest offsets do not match {m.shard_count} shards")
         if m.format != FORMAT:
             raise SnapshotCorruptError(f"{where}: snapshot format {m.format} is not {FORMAT}")
         return m
+
+
+def _count(v: object) -> bool:
+    return type(v) is int and 0 <= v < 2**63
+
+
+def _text(v: object) -> bool:
+    return isinstance(v, str)
+
+
+def _counts(v: object) -> bool:
+    return isinstance(v, list) and all(_count(x) for x in v)
+
+
+def _texts(v: object) -> bool:
+    return isinstance(v, list) and all(_text(x) for x in v)
+
+
+def _file(v: object) -> bool:
+    return isinstance(v, dict) and set(v) == {"name", "bytes", "xxh3"} and _text(v["name"]) \
+        and _count(v["bytes"]) and _text(v["xxh3"])
+
+
+_FIELDS: dict[str, Any] = {
+    "format": _count, "run_id": _text, "snapshot_id": _text, "schema_version": _count,
+    "config_digest": _text, "version": _count, "step": _count, "state_digest": _text,
+    "shard_digests": _texts, "small_digest": _text, "shard_count": _count,
+    "applied_gsns": _counts, "next_offsets": _counts,
+    "files": lambda v: isinstance(v, list) and all(_file(f) for f in v),
+    "created_ms": _count, "fencing_token": _count, "layout": _text,
+    "metrics": lambda v: isinstance(v, dict) and all(
+        _text(k) and type(x) in (int, float) for k, x in v.items()),
+    "key_id": lambda v: v is None or _text(v),
+}
 
 
 def digest_hex(data: bytes | memoryview) -> str:
