@@ -152,8 +152,8 @@ class Recorder:
         self.session = uuid.uuid4().hex[:8]
         self._log: EventLog = self.address.open_log()
         self._coord: Coordinator = self.address.open_coordinator()
-        if self._log.shard_count() is not None:
-            self._shards = self._log.shard_count() or shards
+        # An existing run keeps its shard count, whatever this process asked for.
+        self._shards = self._log.shard_count() or shards
         # Becoming the writer fences any older process with the same writer id (a zombie).
         self._writer = self._log.writer(self.writer_id)
         self._serialize = serde.EnvelopeSerializer()
