@@ -35,6 +35,9 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 COMPRESSIONS = ("none", "blosc2-zstd")
+# python-blosc2 keeps the GIL while it (de)compresses unless told otherwise; chunks are
+# encoded and decoded in thread pools, so without this they would run one at a time.
+blosc2.set_releasegil(True)
 #: Above this compressed/raw ratio, an XOR chunk is also tried as FULL.
 _TRY_FULL_ABOVE = 0.85
 
