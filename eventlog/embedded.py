@@ -176,6 +176,10 @@ class _Writer(LogWriter):
         # Its own connection: readers in this process must not see an open transaction.
         self._conn = log._db.connect(shared=True)
         self._lock = threading.Lock()
+        # Copying the WAL back into the database would double the commit's writes; a
+        # background thread does it after each commit instead (durability needs only the WAL).
+        self._conn.execute("PRAGMA wal_autocheckpoint=0")
+        self._checkpoint = _Checkpointer(log._db)
 
     @contextmanager
     def transaction(self) -> Iterator[LogTransaction]:
@@ -196,9 +200,43 @@ class _Writer(LogWriter):
                 txn.finish()
         except sqlite3.Error as exc:
             raise db.wrap(exc) from exc
+        self._checkpoint.request()
 
     def close(self) -> None:
+        self._checkpoint.stop()
         self._conn.close()
+
+
+class _Checkpointer:
+    """Runs passive WAL checkpoints in a background thread, when asked."""
+
+    def __init__(self, db: _Database) -> None:
+        self._db, self._wake, self._stopping = db, threading.Event(), False
+        self._thread = threading.Thread(target=self._run, name="rewind-wal-checkpoint", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=60)
+
+    def _run(self) -> None:
+        conn = self._db.connect()
+        try:
+            while True:
+                self._wake.wait()
+                self._wake.clear()
+                if self._stopping:
+                    return
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                except sqlite3.Error:
+                    pass  # a busy database: the next commit asks again
+        finally:
+            conn.close()
 
 
 class EmbeddedLog(EventLog):
