@@ -10,6 +10,7 @@ import shutil
 import socket
 import sqlite3
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -224,3 +225,37 @@ def test_redis_auth_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
     finally:
         server.terminate()
         server.wait(10)
+
+
+def test_a_forged_one_terabyte_tensor_fails_fast_without_allocating() -> None:
+    from eventlog.apply import ShardState
+    from eventlog.errors import DecodeError
+    from eventlog.events import Envelope, TensorDelta
+
+    forged = TensorDelta("model/w", "float32", (2**38,), 0, 1, 0, 4 * 2**38, "FULL", "none", -1,
+                         b"\0" * 16, b"tiny")
+    state = ShardState(0)
+    t0 = time.perf_counter()
+    with pytest.raises(DecodeError, match=r"shape \(274877906944,\) of float32 needs more than"):
+        state.apply(Envelope("r", 5, 1, 0, 0, "w", 0, forged), {1}, 100, "forged event")
+    assert time.perf_counter() - t0 < 1.0 and state.tensors == {}
+
+
+@pytest.mark.slow
+def test_demo_with_encryption_on_recovers_bit_exactly(tmp_path: Path) -> None:
+    env = {**os.environ, "REWIND_KEYS": f"demo={_key().hex()}"}
+    demo = subprocess.run(
+        [sys.executable, "-c", "from replayer.cli import main; main()", "demo", "--run-dir",
+         str(tmp_path / "demo"), "--updates", "6", "--kill-at", "3"],
+        capture_output=True, text=True, timeout=600, env=env)
+    assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
+    assert demo.stdout.strip().splitlines()[-1] == "bit-exact: yes"
+    with sqlite3.connect(tmp_path / "demo" / "recorded" / "rewind.db") as db:
+        keyed = db.execute("SELECT COUNT(*) FROM records WHERE partition >= 0").fetchone()[0]
+    assert keyed > 0
+    wrong = subprocess.run(
+        [sys.executable, "-c", "from replayer.cli import main; main()", "replay", "--run-dir",
+         str(tmp_path / "demo" / "recorded")],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "REWIND_KEYS": f"demo={_key().hex()}"})
+    assert wrong.returncode == 2 and "AuthenticationError" in wrong.stderr
