@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from . import crypto, serde
+from . import crypto, knobs, serde
 from .apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
 from .digests import small_digest
 from .errors import (
@@ -127,7 +127,7 @@ def events(
 ) -> Iterator[tuple[int, int, Envelope]]:
     """``(offset, message bytes, event)`` of a partition, checking each event's run id."""
     where_p = "control" if partition == CONTROL else f"shard {partition}"
-    for rec in log.scan(partition, gt=gt, lte=lte):
+    for rec in log.scan(partition, gt=gt, lte=lte, batch=knobs.READ_BATCH):
         where = f"run {log.run_id!r} {where_p} offset {rec.offset}"
         env = serde.decode(rec.value, where)
         if env.run_id != log.run_id:

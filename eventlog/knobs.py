@@ -22,8 +22,9 @@ CODEC_THREADS = _int("CODEC_THREADS", 0)
 MAX_INFLIGHT = _int("MAX_INFLIGHT", 1)
 #: Default number of tensor shards of a new run.
 SHARDS = _int("SHARDS", 2)
-#: Records fetched per read call while folding a partition.
-READ_BATCH = _int("READ_BATCH", 256)
+#: Records fetched per read call while folding a partition (16 x 4 MiB chunks: a fold
+#: that stops at its target version reads little past it).
+READ_BATCH = _int("READ_BATCH", 16)
 #: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
 MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
 #: Upper bound on one msgpack small state (bytes).

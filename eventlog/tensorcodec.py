@@ -145,9 +145,9 @@ def encode_chunk(
 ) -> EncodedChunk | None:
     """Encode one chunk of new bits against the previous bits; ``None`` if nothing changed."""
     if prev is not None:
-        if np.array_equal(new, prev):
-            return None
         delta = np.bitwise_xor(new, prev)
+        if not delta.any():  # unchanged: nothing to write (one pass fewer than comparing first)
+            return None
         payload, encoding = _compress(delta, typesize), TensorDelta.XOR
         if len(payload) > _TRY_FULL_ABOVE * len(new):
             full = _compress(new, typesize)

@@ -1,0 +1,225 @@
+"""``python -m benchmarks``: Rewind side by side with torch.save / torch.load and Kafka's tools.
+
+    python -m benchmarks [--size 100M|25M|5M] [--json out.json] [--repeats N]
+                         [--only scenario,...] [--kafka BOOTSTRAP --redis URL]
+
+Prints a table of figures, ratios and the issue's targets (PASS/MISS), and writes every
+figure to JSON under stable keys: ``meta``, one object per scenario
+(``commit_blocking_s``, ``commit_throughput_mb_s``, ``bytes_per_commit_ratio``,
+``recovery_s``, ``kafka_produce_mb_s``, ``follower_sync_s``) and ``targets``. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from .model import parse_size
+from .scenarios import SCENARIOS, Config, run_all
+
+#: (key, scenario, figure path, comparison, limit, text)
+TARGETS = [
+    ("commit_blocking_vs_torch_save", "commit_blocking_s", "ratio_vs_torch_save", "<=", 0.15,
+     "blocking <= 0.15 x torch.save"),
+    ("commit_blocking_vs_memcpy", "commit_blocking_s", "ratio_vs_memcpy", "<=", 1.5,
+     "blocking <= 1.5 x memcpy"),
+    ("throughput_embedded_vs_torch_save_fsync", "commit_throughput_mb_s", "ratio_embedded", ">=",
+     0.75, "embedded >= 0.75 x torch.save+fsync"),
+    ("bytes_ratio_fp32", "bytes_per_commit_ratio", "fp32", "<=", 0.75,
+     "fp32 Adam bytes/raw <= 0.75"),
+    ("recovery_2_workers_vs_torch_load", "recovery_s", "ratio_2_workers_vs_torch_load", "<=", 1.5,
+     "2 workers <= 1.5 x torch.load"),
+    ("replay_speedup_2_vs_1", "recovery_s", "speedup_2_vs_1", ">=", 1.6,
+     "2 workers >= 1.6x faster than 1"),
+    ("kafka_vs_producer_performance", "kafka_produce_mb_s", "ratio", ">=", 0.7,
+     "kafka >= 0.7 x ProducerPerformance"),
+]
+
+
+def evaluate(results: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, scenario, path, op, limit, text in TARGETS:
+        value = results.get(scenario, {}).get(path)
+        if value is None:
+            out[key] = {"value": None, "limit": limit, "op": op, "pass": None, "text": text}
+            continue
+        ok = value <= limit if op == "<=" else value >= limit
+        out[key] = {"value": value, "limit": limit, "op": op, "pass": ok, "text": text}
+    return out
+
+
+def _f(v: Any, unit: str = "", digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if unit == "ms":
+            return f"{v * 1e3:.1f} ms"
+        if unit == "s":
+            return f"{v:.3f} s" if v < 10 else f"{v:.1f} s"
+        if unit == "MB/s":
+            return f"{v:.0f} MB/s"
+        if unit == "x":
+            return f"{v:.{digits}f}x"
+        return f"{v:.{digits}f}"
+    return str(v)
+
+
+def table(results: dict[str, Any]) -> Table:
+    t = Table(title="Rewind benchmarks (medians)", show_lines=False)
+    for col in ("scenario", "figure", "Rewind", "baseline", "ratio", "target", "result"):
+        t.add_column(col, justify="right" if col in ("Rewind", "baseline", "ratio") else "left")
+    targets = results.get("targets", {})
+
+    def verdict(key: str) -> tuple[str, str]:
+        tg = targets.get(key)
+        if not tg:
+            return "", ""
+        text = f"{tg['op']} {tg['limit']}"
+        if tg["pass"] is None:
+            return text, "[yellow]not run[/]"
+        return text, "[green]PASS[/]" if tg["pass"] else "[red]MISS[/]"
+
+    def skipped(name: str) -> bool:
+        r = results.get(name)
+        if r is None:
+            return True
+        if "skipped" in r:
+            t.add_row(name, "skipped", "", "", "", "", f"[yellow]{r['skipped']}[/]")
+            return True
+        return False
+
+    if not skipped("commit_blocking_s"):
+        r = results["commit_blocking_s"]
+        t.add_row("commit_blocking_s", "commit() vs torch.save", _f(r["rewind"], "ms"),
+                  _f(r["torch_save"], "ms"), _f(r["ratio_vs_torch_save"], "x"),
+                  *verdict("commit_blocking_vs_torch_save"))
+        t.add_row("", "commit() vs memcpy", _f(r["rewind"], "ms"), _f(r["memcpy"], "ms"),
+                  _f(r["ratio_vs_memcpy"], "x", 2), *verdict("commit_blocking_vs_memcpy"))
+        t.add_row("", "worst of first 3 commits (allocate)",
+                  _f(r["rewind_allocating_commits_max"], "ms"), _f(r["torch_save"], "ms"),
+                  _f(_div(r["rewind_allocating_commits_max"], r["torch_save"]), "x"), "", "")
+    if not skipped("commit_throughput_mb_s"):
+        r = results["commit_throughput_mb_s"]
+        t.add_row("commit_throughput_mb_s", "embedded vs save+fsync", _f(r["embedded"], "MB/s"),
+                  _f(r["torch_save_fsync"], "MB/s"), _f(r["ratio_embedded"], "x"),
+                  *verdict("throughput_embedded_vs_torch_save_fsync"))
+        if r.get("kafka") is not None:
+            t.add_row("", "kafka vs save+fsync", _f(r["kafka"], "MB/s"),
+                      _f(r["torch_save_fsync"], "MB/s"), _f(r["ratio_kafka"], "x"), "", "")
+        t.add_row("", "median durable commit", _f(r["embedded_median_durable_s"], "s"), "", "",
+                  "", "")
+    if not skipped("bytes_per_commit_ratio"):
+        r = results["bytes_per_commit_ratio"]
+        t.add_row("bytes_per_commit_ratio", f"fp32 after {r.get('fp32_after_steps')} steps",
+                  _f(r.get("fp32")), "1.000", _f(r.get("fp32")), *verdict("bytes_ratio_fp32"))
+        t.add_row("", f"bf16 after {r.get('bf16_after_steps')} steps", _f(r.get("bf16")),
+                  "1.000", _f(r.get("bf16")), "", "")
+        t.add_row("", "first (FULL) commit fp32", _f(r.get("fp32_full_commit")), "1.000", "", "", "")
+    if not skipped("recovery_s"):
+        r = results["recovery_s"]
+        tail = f"snap + {r['tail_versions']} versions"
+        t.add_row("recovery_s", f"{tail}, 1 worker", _f(r["workers_1"], "s"),
+                  _f(r["torch_load"], "s"), _f(_div(r["workers_1"], r["torch_load"]), "x", 2),
+                  "", "")
+        t.add_row("", f"{tail}, 2 workers", _f(r["workers_2"], "s"), _f(r["torch_load"], "s"),
+                  _f(r["ratio_2_workers_vs_torch_load"], "x", 2),
+                  *verdict("recovery_2_workers_vs_torch_load"))
+        t.add_row("", "speedup 2 vs 1 workers", _f(r["speedup_2_vs_1"], "x", 2), "", "",
+                  *verdict("replay_speedup_2_vs_1"))
+        if r.get("snapshot_only_2_workers") is not None:
+            t.add_row("", "snapshot alone (no tail), 2 workers", _f(r["snapshot_only_2_workers"], "s"),
+                      _f(r["torch_load"], "s"), _f(r["ratio_snapshot_only_vs_torch_load"], "x", 2),
+                      "", "")
+            t.add_row("", "each tail version, 2 workers", _f(r["per_tail_version_2_workers"], "s"),
+                      "", "", "", f"tail within target: {r['max_tail_versions_within_target']}")
+    if not skipped("kafka_produce_mb_s"):
+        r = results["kafka_produce_mb_s"]
+        t.add_row("kafka_produce_mb_s", f"{r['record_bytes']} B records, acks=all",
+                  _f(r["rewind"], "MB/s"), _f(r.get("producer_performance"), "MB/s"),
+                  _f(r.get("ratio"), "x", 2), *verdict("kafka_vs_producer_performance"))
+    if not skipped("follower_sync_s"):
+        r = results["follower_sync_s"]
+        t.add_row("follower_sync_s", "one version / full sync", _f(r["incremental"], "s"),
+                  _f(r["full_sync"], "s"), "", "", "")
+    return t
+
+
+def _div(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    ap.add_argument("--size", default="100M", help="fp32 parameters (100M, 25M, 5M, ...)")
+    ap.add_argument("--json", help="write every figure to this JSON file")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="repeats of replays, loads, produce runs and follower polls "
+                         "(default 3, or 2 from 50M parameters up to stay under 10 minutes)")
+    ap.add_argument("--versions", type=int, default=20,
+                    help="versions committed after the FULL one (commit medians are over them)")
+    ap.add_argument("--warmup-steps", type=int, default=100,
+                    help="Adam steps before the first commit (the bytes target is after 100)")
+    ap.add_argument("--only", help=f"comma-separated scenarios: {','.join(SCENARIOS)}")
+    ap.add_argument("--kafka", help="Kafka bootstrap (host:port) or kafka:// URL")
+    ap.add_argument("--redis", help="Redis URL for the Kafka run's coordinator")
+    ap.add_argument("--kafka-home", help="dir with Kafka's jars (default $REWIND_KAFKA_HOME)")
+    ap.add_argument("--workdir", help="parent dir for the run's files (default: system tmp)")
+    ap.add_argument("--keep", action="store_true", help="keep the run's files")
+    ap.add_argument("--quiet", action="store_true", help="only the table")
+    args = ap.parse_args(argv)
+
+    only = set(SCENARIOS)
+    if args.only:
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        unknown = only - set(SCENARIOS)
+        if unknown:
+            ap.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {', '.join(SCENARIOS)}")
+    console = Console(stderr=False)
+    if not console.is_terminal:
+        console = Console(stderr=False, width=150)
+    log = (lambda _m: None) if args.quiet else (lambda m: console.print(m, markup=False,
+                                                                          highlight=False))
+    params = parse_size(args.size)
+    repeats = args.repeats if args.repeats is not None else (3 if params < 50_000_000 else 2)
+    cfg = Config(
+        params=params, repeats=max(1, repeats), versions=args.versions,
+        warmup_steps=args.warmup_steps, workdir=args.workdir, keep=args.keep,
+        kafka=args.kafka, redis=args.redis, kafka_home=args.kafka_home, only=only, log=log,
+    )
+    t0 = time.perf_counter()
+    results = run_all(cfg)
+    meta = results.setdefault("meta", {})
+    meta.update(
+        command="python -m benchmarks " + " ".join(sys.argv[1:] if argv is None else argv),
+        size=args.size, repeats=cfg.repeats, scenarios=sorted(only),
+        torch=torch.__version__, python=platform.python_version(), cpus=os.cpu_count(),
+        torch_threads=torch.get_num_threads(), machine=platform.machine(),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        wall_s=time.perf_counter() - t0, mb="10^6 bytes",
+        load_average=os.getloadavg(),
+    )
+    results["targets"] = evaluate(results)
+    ordered = {k: results[k] for k in ("meta", *SCENARIOS, "targets") if k in results}
+    console.print(table(ordered))
+    console.print(f"wall time {meta['wall_s']:.0f} s; load average at end "
+                  f"{', '.join(f'{x:.2f}' for x in meta['load_average'])}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(ordered, f, indent=2, sort_keys=False)
+            f.write("\n")
+        console.print(f"figures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

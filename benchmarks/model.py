@@ -1,0 +1,145 @@
+"""The benchmark's training state: a stack of Linear layers with Adam, a scheduler and RNGs.
+
+``Workload(size)`` builds a model of about ``size`` fp32 parameters (``--size 100M`` is the
+default), trains it with real Adam steps, and gives the baselines what they need: the same
+state as a ``torch.save`` tree (loadable with ``weights_only=True``), its raw byte count,
+and a preallocated per-tensor memory copy (the physical floor of any commit).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from eventlog.capture import flatten
+
+
+def parse_size(text: str) -> int:
+    """``100M``, ``25M``, ``5m``, ``1.5G``, ``800k`` or a plain integer -> parameter count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)\s*", text)
+    if not m:
+        raise ValueError(f"bad size {text!r}: use e.g. 100M, 25M, 5M")
+    scale = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}[m.group(2).lower()]
+    return int(float(m.group(1)) * scale)
+
+
+def shape_for(params: int) -> tuple[int, int]:
+    """``(width, layers)`` of a Linear stack with about ``params`` parameters."""
+    width = 2048 if params >= 20_000_000 else 1024 if params >= 2_000_000 else 256
+    per_layer = width * width + width
+    return width, max(1, round(params / per_layer))
+
+
+@dataclass
+class Workload:
+    """A model, Adam, a scheduler and a fixed data stream, trained step by step."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    width: int
+    layers: int
+    dtype: torch.dtype
+    batch: int
+    steps_done: int = 0
+    train_seconds: float = 0.0
+
+    @classmethod
+    def build(cls, params: int, *, dtype: torch.dtype = torch.float32, seed: int = 0,
+              batch: int = 8, lr: float = 1e-4) -> Workload:
+        """A fresh workload of about ``params`` parameters (every RNG seeded)."""
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        width, layers = shape_for(params)
+        mods: list[torch.nn.Module] = []
+        for i in range(layers):
+            mods.append(torch.nn.Linear(width, width))
+            if i + 1 < layers:
+                mods.append(torch.nn.Tanh())
+        model = torch.nn.Sequential(*mods).to(dtype)
+        try:  # fused CPU Adam: the same update, about 3x faster than foreach on 2 cores
+            opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
+        except (RuntimeError, TypeError):
+            opt = torch.optim.Adam(model.parameters(), lr=lr)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1000, gamma=0.5)
+        return cls(model, opt, sched, width, layers, dtype, batch)
+
+    @property
+    def params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+    def step(self, n: int = 1) -> None:
+        """``n`` real training steps (forward, backward, Adam, scheduler, RNG draws)."""
+        t0 = time.perf_counter()
+        for _ in range(n):
+            x = torch.randn(self.batch, self.width, dtype=self.dtype)
+            loss = (self.model(x) - x.flip(-1)).pow(2).mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+            self.scheduler.step()
+            np.random.random()  # the numpy and python RNGs advance too, as in an RL loop
+            random.random()
+            self.steps_done += 1
+        self.train_seconds += time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the baselines' view
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor of the state (model + optimizer), as the recorder names them."""
+        out, _ = flatten("model", self.model.state_dict())
+        opt, _ = flatten("optimizer", self.optimizer.state_dict())
+        out.update(opt)
+        return out
+
+    def raw_bytes(self) -> int:
+        """Bytes of tensor bits in the state (what a commit copies out)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def checkpoint(self) -> dict[str, Any]:
+        """The same state as a ``torch.save`` tree that ``torch.load(weights_only=True)`` reads."""
+        np_state = np.random.get_state()
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                          *np_state[2:]),
+                "python": random.getstate(),
+            },
+        }
+
+
+def save_checkpoint(work: Workload, path: str, *, fsync: bool) -> float:
+    """``torch.save`` the state to ``path`` (and fsync it); returns the seconds it blocked."""
+    t0 = time.perf_counter()
+    tree = work.checkpoint()
+    with open(path, "wb") as f:
+        torch.save(tree, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+class MemcpyFloor:
+    """Per-tensor ``copy_`` of the state into preallocated buffers: the physical floor."""
+
+    def __init__(self, work: Workload) -> None:
+        self._work = work
+        self._bufs = {n: torch.empty_like(t) for n, t in work.tensors().items()}
+
+    def __call__(self) -> float:
+        t0 = time.perf_counter()
+        for name, t in self._work.tensors().items():
+            self._bufs[name].copy_(t)
+        return time.perf_counter() - t0

@@ -1,0 +1,659 @@
+"""The benchmark scenarios, each measured side by side with the tool a user would use instead.
+
+One fp32 recording run feeds four scenarios: after the warm-up steps, version 1 (FULL) is
+committed, then ``versions`` versions of one real Adam step each. For every version the
+training thread's blocked time in ``commit()``, the time until it is durable, and its
+raw/encoded bytes are recorded; the same state is then ``torch.save``d (timed to the page
+cache, then the fsync) and memory-copied into preallocated buffers. Halfway a snapshot is
+written, so the run ends as "newest snapshot + a ``versions/2``-version tail", which the
+recovery scenario replays with 1 and 2 workers against ``torch.load`` of the newest
+checkpoint. Every figure is a median over versions (commit scenarios) or repeats.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import inspect
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eventlog import Recorder, RunAddress, Target
+from snapshotter.service import Snapshotter, SnapshotterConfig
+from snapshotter.store import SnapshotStore
+
+from .model import MemcpyFloor, Workload, save_checkpoint
+
+MB = 1e6  # every MB/s figure is 10^6 bytes per second
+
+SCENARIOS = (
+    "commit_blocking_s",
+    "commit_throughput_mb_s",
+    "bytes_per_commit_ratio",
+    "recovery_s",
+    "kafka_produce_mb_s",
+    "follower_sync_s",
+)
+#: The bf16 ratio is measured on at most this many parameters (it does not depend on size).
+BF16_MAX_PARAMS = 25_000_000
+#: Scenarios that need the fp32 recording run.
+RECORDING = {"commit_blocking_s", "commit_throughput_mb_s", "bytes_per_commit_ratio", "recovery_s"}
+
+
+@dataclass
+class Config:
+    params: int
+    repeats: int = 3
+    versions: int = 20
+    warmup_steps: int = 100
+    bf16_warmup_steps: int = 20
+    bf16_versions: int = 5
+    workdir: str | None = None
+    keep: bool = False
+    kafka: str | None = None
+    redis: str | None = None
+    kafka_home: str | None = None
+    only: set[str] = field(default_factory=lambda: set(SCENARIOS))
+    log: Callable[[str], None] = print
+
+
+def med(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def kafka_url(bootstrap: str, prefix: str = "rewindbench") -> str:
+    """A ``kafka://`` log URL from a bootstrap list or URL."""
+    if bootstrap.startswith("kafka://"):
+        return bootstrap if "prefix=" in bootstrap else (
+            bootstrap + ("&" if "?" in bootstrap else "?") + f"prefix={prefix}")
+    return f"kafka://{bootstrap}?prefix={prefix}"
+
+
+def bootstrap_of(kafka: str) -> str:
+    return kafka.removeprefix("kafka://").split("?")[0]
+
+
+# ---------------------------------------------------------------------------- recording
+@dataclass
+class Recording:
+    """Per-version samples of one recording run (index 0 is the FULL version 1)."""
+
+    raw_state_bytes: int = 0
+    blocking: list[float] = field(default_factory=list)
+    durable: list[float] = field(default_factory=list)
+    raw: list[int] = field(default_factory=list)
+    encoded: list[int] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+    save_s: list[float] = field(default_factory=list)
+    fsync_s: list[float] = field(default_factory=list)
+    memcpy_s: list[float] = field(default_factory=list)
+    snapshot_s: float | None = None
+    snapshot_version: int | None = None
+    last_checkpoint: str | None = None
+
+    def deltas(self, xs: list[Any]) -> list[Any]:
+        return xs[1:]
+
+
+def baselines(cfg: Config, work: Workload, path: Path, n: int, r: Recording) -> None:
+    """``n`` times: the memory copy of the state (median of 3), then ``torch.save`` of it
+    (timed to the page cache, then to the end of its fsync). Run with no recorder open, so
+    no background work of Rewind's (encode, WAL checkpoint) competes with the baselines."""
+    floor = MemcpyFloor(work)
+    for _ in range(n):
+        gc.collect()
+        r.memcpy_s.append(statistics.median(floor() for _ in range(3)))
+        t0 = time.perf_counter()
+        tree = work.checkpoint()
+        with open(path, "wb") as f:
+            torch.save(tree, f)
+            t1 = time.perf_counter()
+            f.flush()
+            os.fsync(f.fileno())
+        t2 = time.perf_counter()
+        del tree
+        r.save_s.append(t1 - t0)
+        r.fsync_s.append(t2 - t0)
+    cfg.log(f"  torch.save {med(r.save_s):.3f} s, +fsync {med(r.fsync_s):.3f} s, "
+            f"memcpy {med(r.memcpy_s) * 1e3:.1f} ms (medians of {n})")
+    path.unlink(missing_ok=True)
+
+
+def record(
+    cfg: Config, work: Workload, address: RunAddress, *, versions: int,
+    snapshot_at: int | None, label: str,
+    before_close: Callable[[Recorder, Recording], None] | None = None,
+    recording: Recording | None = None, restorer: Any = None,
+) -> Recording:
+    """Commit version 1 (FULL) then ``versions`` one-step versions; see the module doc."""
+    rec_out = recording or Recording()
+    rec_out.raw_state_bytes = work.raw_bytes()
+    with Recorder(address, work.model, work.optimizer, work.scheduler, rng=True,
+                  restorer=restorer) as rec:
+        if restorer is not None:
+            rec.restore()
+        for i in range(versions + 1):
+            if i:
+                work.step()
+            gc.collect()
+            t0 = time.perf_counter()
+            fut = rec.commit(work.steps_done, {"i": float(i)})
+            t1 = time.perf_counter()
+            res = fut.result()
+            t2 = time.perf_counter()
+            rec_out.blocking.append(t1 - t0)
+            rec_out.durable.append(t2 - t0)
+            rec_out.raw.append(res.raw_bytes)
+            rec_out.encoded.append(res.encoded_bytes)
+            rec_out.events.append(res.events)
+            cfg.log(f"  {label} v{res.version}: blocked {rec_out.blocking[-1] * 1e3:.1f} ms, "
+                    f"durable {rec_out.durable[-1]:.2f} s, "
+                    f"{res.encoded_bytes / max(1, res.raw_bytes):.3f} of {res.raw_bytes / MB:.0f} MB")
+            if snapshot_at is not None and res.version == snapshot_at:
+                t0 = time.perf_counter()
+                snap = Snapshotter(address, SnapshotStore(address.snapshots_url or ""),
+                                   SnapshotterConfig(workers=2))
+                with snap:
+                    result = snap.snapshot(force=True)
+                del snap
+                gc.collect()
+                rec_out.snapshot_s = time.perf_counter() - t0
+                rec_out.snapshot_version = result.version if result else None
+                cfg.log(f"  snapshot of v{rec_out.snapshot_version} in {rec_out.snapshot_s:.2f} s")
+        if before_close is not None:
+            before_close(rec, rec_out)
+    return rec_out
+
+
+def blocking_figures(r: Recording) -> dict[str, Any]:
+    rewind = med(r.deltas(r.blocking))
+    save = med(r.save_s)
+    memcpy = med(r.memcpy_s)
+    return {
+        "rewind": rewind,
+        "rewind_first_commit": r.blocking[0] if r.blocking else None,
+        # The first commits allocate the staging buffer sets (max_inflight + 1 of them).
+        "rewind_allocating_commits_max": max(r.blocking[:3]) if r.blocking else None,
+        "torch_save": save,
+        "torch_save_fsync": med(r.fsync_s),
+        "memcpy": memcpy,
+        "ratio_vs_torch_save": _ratio(rewind, save),
+        "ratio_vs_memcpy": _ratio(rewind, memcpy),
+        "versions": len(r.deltas(r.blocking)),
+        "samples": {"rewind": r.blocking, "torch_save": r.save_s, "memcpy": r.memcpy_s},
+    }
+
+
+def throughput_of(r: Recording) -> dict[str, Any]:
+    raw = r.deltas(r.raw)
+    dur = r.deltas(r.durable)
+    return {
+        "mb_s": sum(raw) / sum(dur) / MB if dur else None,
+        "median_version_mb_s": med([b / t / MB for b, t in zip(raw, dur)]),
+        "median_durable_s": med(dur),
+        "full_commit_s": r.durable[0] if r.durable else None,
+        "versions": len(dur),
+    }
+
+
+def torch_save_fsync_mb_s(r: Recording) -> float | None:
+    if not r.fsync_s:
+        return None
+    return r.raw_state_bytes * len(r.fsync_s) / sum(r.fsync_s) / MB
+
+
+def bytes_ratio_of(r: Recording) -> dict[str, Any]:
+    raw, enc = r.deltas(r.raw), r.deltas(r.encoded)
+    return {
+        "ratio": med([e / b for e, b in zip(enc, raw)]) if raw else None,
+        "aggregate": sum(enc) / sum(raw) if raw else None,
+        "full_commit": r.encoded[0] / r.raw[0] if r.raw else None,
+        "raw_state_bytes": r.raw_state_bytes,
+        "versions": len(raw),
+    }
+
+
+# ---------------------------------------------------------------------------- recovery
+def _timed(args: list[str]) -> dict[str, Any]:
+    """Run ``benchmarks._timed`` in a fresh process; returns its JSON line."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks._timed", *args], check=False,
+                         capture_output=True, text=True, timeout=1800,
+                         cwd=str(Path(__file__).resolve().parent.parent))
+    if out.returncode:
+        raise RuntimeError(f"benchmarks._timed {args[0]} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> dict[str, Any]:
+    """Replay (1 and 2 workers) and ``torch.load``, each timed in a fresh process as after a
+    crash; the replayed bits are checked against the live state once, in this process."""
+    from replayer.replay import replay
+
+    state, report = replay(address, Target(), workers=2)
+    _check_bits(state, work)
+    del state
+    gc.collect()
+    cfg.log(f"  replayed state is bit-identical to the live state (v{report.version}: "
+            f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
+    base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
+    times: dict[int, list[float]] = {1: [], 2: []}
+    for _ in range(cfg.repeats):
+        for workers in (1, 2):
+            got = _timed(["replay", *base, str(workers), "latest"])
+            times[workers].append(got["seconds"])
+            cfg.log(f"  replay, {workers} worker(s): {got['seconds']:.2f} s "
+                    f"(snapshot v{got['snapshot_version']}, tail {got['tail_versions']})")
+    # The snapshot alone (replay to the snapshot's own version: no tail): what one tail
+    # version costs, and how long a tail still meets the target, follow from it.
+    snap_only: list[float] = []
+    if report.snapshot_version:
+        for _ in range(cfg.repeats):
+            got = _timed(["replay", *base, "2", f"version={report.snapshot_version}"])
+            snap_only.append(got["seconds"])
+        cfg.log(f"  replay to the snapshot's version (tail 0), 2 workers: {med(snap_only):.2f} s")
+    loads = []
+    if r.last_checkpoint:
+        for _ in range(max(5, cfg.repeats)):
+            loads.append(_timed(["load", r.last_checkpoint])["seconds"])
+        cfg.log(f"  torch.load(weights_only=True): {med(loads):.2f} s")
+    w1, w2, load = med(times[1]), med(times[2]), med(loads)
+    s0 = med(snap_only)
+    tail = report.tail_versions
+    per_version = (w2 - s0) / tail if w2 is not None and s0 is not None and tail else None
+    budget = None
+    if per_version and load is not None and s0 is not None:
+        budget = max(0, int((1.5 * load - s0) // per_version)) if 1.5 * load >= s0 else -1
+    return {
+        "workers_1": w1,
+        "workers_2": w2,
+        "torch_load": load,
+        "ratio_2_workers_vs_torch_load": _ratio(w2, load),
+        "speedup_2_vs_1": _ratio(w1, w2),
+        "tail_versions": tail,
+        "snapshot_version": report.snapshot_version,
+        "snapshot_write_s": r.snapshot_s,
+        "snapshot_only_2_workers": s0,
+        "ratio_snapshot_only_vs_torch_load": _ratio(s0, load),
+        "per_tail_version_2_workers": per_version,
+        # Longest tail that still meets "<= 1.5 x torch.load" (-1: not even the snapshot).
+        "max_tail_versions_within_target": budget,
+        "fresh_process": True,
+        "bit_exact": True,
+        "repeats": cfg.repeats,
+        "samples": {"workers_1": times[1], "workers_2": times[2], "torch_load": loads,
+                    "snapshot_only_2_workers": snap_only},
+    }
+
+
+def _check_bits(state: Any, work: Workload) -> None:
+    """The replayed tensors equal the live state bit for bit (a benchmark that replays wrong
+    state measures nothing)."""
+    live = {n: t.detach().contiguous() for n, t in work.tensors().items()}
+    for shard in state.shards:
+        for name, t in shard.tensors.items():
+            mine = live[name].reshape(-1).view(torch.uint8).numpy()
+            if not (mine == t.bits).all():
+                raise AssertionError(f"replayed tensor {name} differs from the live state")
+
+
+# ---------------------------------------------------------------------------- kafka
+def kafka_available() -> str | None:
+    """``None`` if the Kafka backend imports, else why not."""
+    try:
+        importlib.import_module("eventlog.kafka")
+    except Exception as exc:  # noqa: BLE001 - any failure means "not run"
+        return f"eventlog.kafka is not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def kafka_produce(cfg: Config, record_bytes: int, total_bytes: int) -> dict[str, Any]:
+    """Rewind's Kafka writer (one transaction, records spread over the shard partitions)
+    against ``ProducerPerformance`` with the same record size and count, acks=all."""
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    from eventlog.backends import open_log
+
+    assert cfg.kafka
+    url = kafka_url(cfg.kafka)
+    n = max(8, total_bytes // record_bytes)
+    shards = 2
+    payloads = [os.urandom(record_bytes) for _ in range(4)]
+    rewind: list[float] = []
+    run = f"produce-{uuid.uuid4().hex[:8]}"
+    log = open_log(url, run)
+    topics: list[str] = []
+    try:
+        log.create(shards)
+        writer = log.writer("bench")
+        try:
+            for rep in range(cfg.repeats + 1):  # the first is a warm-up
+                t0 = time.perf_counter()
+                with writer.transaction() as txn:
+                    for i in range(n):
+                        txn.append(i % shards, payloads[i % len(payloads)])
+                dt = time.perf_counter() - t0
+                if rep:
+                    rewind.append(n * record_bytes / dt / MB)
+                cfg.log(f"  rewind kafka writer: {n} x {record_bytes} B in {dt:.2f} s "
+                        f"({n * record_bytes / dt / MB:.0f} MB/s){' (warm-up)' if not rep else ''}")
+        finally:
+            writer.close()
+    finally:
+        log.close()
+    out: dict[str, Any] = {
+        "rewind": med(rewind), "record_bytes": record_bytes, "records": n,
+        "repeats": cfg.repeats,
+    }
+    home = cfg.kafka_home or os.environ.get("REWIND_KAFKA_HOME")
+    if not home or not Path(home).is_dir():
+        out["producer_performance"] = None
+        out["producer_performance_skipped"] = "REWIND_KAFKA_HOME (Kafka's jars) is not set"
+    else:
+        bootstrap = bootstrap_of(cfg.kafka)
+        admin = AdminClient({"bootstrap.servers": bootstrap})
+        topic = f"rewindbench.pp.{uuid.uuid4().hex[:8]}"
+        limit = str(max(record_bytes * 2, 16 * 1024 * 1024 + 256 * 1024))
+        admin.create_topics([NewTopic(topic, shards, 1, config={"max.message.bytes": limit})]
+                            )[topic].result(30)
+        topics.append(topic)
+        time.sleep(1.0)
+        for key, txn in (("producer_performance", False), ("producer_performance_txn", True)):
+            pp = []
+            for rep in range(cfg.repeats + (0 if txn else 1)):
+                mb_s = _producer_performance(home, bootstrap, topic, n, record_bytes, limit,
+                                             transactional=txn)
+                if rep or txn:
+                    pp.append(mb_s)
+                cfg.log(f"  ProducerPerformance{' (one transaction)' if txn else ''}: "
+                        f"{mb_s:.0f} MB/s{' (warm-up)' if not (rep or txn) else ''}")
+            out[key] = med(pp)
+            out[f"samples_{key}"] = pp
+        out["samples_rewind"] = rewind
+        out["ratio"] = _ratio(out["rewind"], out["producer_performance"])
+        out["ratio_vs_txn"] = _ratio(out["rewind"], out["producer_performance_txn"])
+    _delete_topics(cfg.kafka, topics + run_topics(cfg.kafka, run))
+    return out
+
+
+def _producer_performance(home: str, bootstrap: str, topic: str, n: int, size: int,
+                          limit: str, *, transactional: bool = False) -> float:
+    """MB/s of Kafka's ``ProducerPerformance`` with its default producer settings except
+    acks=all and a max.request.size that fits the records (batch.size or linger.ms tuned for
+    big records measured no faster here); ``transactional``: one transaction over the whole
+    run, as Rewind commits one per version."""
+    cmd = [
+        "java", "-Xmx1g", "-cp", f"{home}/*", "org.apache.kafka.tools.ProducerPerformance",
+        "--topic", topic, "--num-records", str(n), "--record-size", str(size),
+        "--throughput", "-1", "--producer-props", f"bootstrap.servers={bootstrap}", "acks=all",
+        f"max.request.size={limit}", f"buffer.memory={max(32 << 20, 8 * size)}",
+    ]
+    if transactional:
+        cmd += ["--transactional-id", f"{topic}.pp.{uuid.uuid4().hex[:6]}",
+                "--transaction-duration-ms", "600000"]
+    out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600)
+    if out.returncode:
+        raise RuntimeError(f"ProducerPerformance failed: {out.stderr[-2000:]}")
+    # "<n> records sent, <r> records/sec (<x> MB/sec), ..." (the last such line is the total)
+    found = re.findall(r"records sent, ([0-9.]+) records/sec", out.stdout)
+    if not found:
+        raise RuntimeError(f"cannot parse ProducerPerformance output: {out.stdout[-1000:]}")
+    return float(found[-1]) * size / MB
+
+
+def _delete_topics(kafka: str, topics: list[str]) -> None:
+    """Best-effort cleanup of the benchmark's topics (a failure is printed, not raised)."""
+    if not topics:
+        return
+    from confluent_kafka.admin import AdminClient
+
+    try:
+        admin = AdminClient({"bootstrap.servers": bootstrap_of(kafka)})
+        for topic, f in admin.delete_topics(topics).items():
+            try:
+                f.result(30)
+            except Exception as exc:  # noqa: BLE001 - cleanup only
+                print(f"could not delete topic {topic}: {exc}")
+    except Exception as exc:  # noqa: BLE001
+        print(f"could not delete topics {topics}: {exc}")
+
+
+def run_topics(kafka: str, run_id: str) -> list[str]:
+    """The topics a Kafka run of ``run_id`` uses (for cleanup)."""
+    from confluent_kafka.admin import AdminClient
+
+    admin = AdminClient({"bootstrap.servers": bootstrap_of(kafka)})
+    md = admin.list_topics(timeout=10)
+    return [t for t in md.topics if f".{run_id}." in t]
+
+
+# ---------------------------------------------------------------------------- follower
+def follower_available() -> str | None:
+    try:
+        mod = importlib.import_module("replayer.follower")
+    except ModuleNotFoundError:
+        return "replayer/follower.py does not exist yet"
+    except Exception as exc:  # noqa: BLE001
+        return f"replayer.follower does not import ({type(exc).__name__}: {exc})"
+    if not inspect.isclass(getattr(mod, "Follower", None)):
+        return "replayer.follower has no Follower class"
+    return None
+
+
+def follower_sync(cfg: Config, address: RunAddress, work: Workload,
+                  recorder: Recorder) -> dict[str, Any]:
+    """A fresh ``Follower``'s first poll (a full sync: newest snapshot + tail, into its model),
+    then one new version per poll (incremental), timed around ``poll()``."""
+    from replayer.follower import Follower  # type: ignore[import-not-found]
+
+    shadow = Workload.build(work.params, dtype=work.dtype, seed=1).model
+    full: list[float] = []
+    incr: list[float] = []
+    modes: list[str] = []
+    fol = None
+    # A full sync is a replay (measured by recovery_s with repeats) plus the copy into the
+    # model: one is enough here.
+    for _ in range(1):
+        if fol is not None:
+            fol.close()
+        gc.collect()
+        fol = Follower(address, shadow, workers=2)
+        t0 = time.perf_counter()
+        res = fol.poll()
+        full.append(time.perf_counter() - t0)
+        modes.append(res.mode)
+        cfg.log(f"  follower full sync ({res.mode}): {full[-1]:.2f} s to v{res.version_after}")
+    assert fol is not None
+    try:
+        for _ in range(cfg.repeats):
+            work.step()
+            recorder.commit(work.steps_done, wait=True)
+            t0 = time.perf_counter()
+            res = fol.poll()
+            incr.append(time.perf_counter() - t0)
+            modes.append(res.mode)
+            cfg.log(f"  follower one version ({res.mode}): {incr[-1]:.2f} s to v{res.version_after}")
+        live = work.model.state_dict()
+        same = all(torch.equal(live[k].view(torch.uint8) if live[k].dtype != torch.bool else live[k], v.view(torch.uint8) if v.dtype != torch.bool else v)
+                   for k, v in shadow.state_dict().items())
+    finally:
+        fol.close()
+    return {"incremental": med(incr), "full_sync": med(full), "modes": modes,
+            "bit_exact": same, "repeats": cfg.repeats}
+
+
+# ---------------------------------------------------------------------------- the run
+def workdir(cfg: Config) -> Path:
+    return Path(tempfile.mkdtemp(prefix="rewind-bench-", dir=cfg.workdir))
+
+
+def run_all(cfg: Config) -> dict[str, Any]:
+    """Run the selected scenarios; returns the JSON document (see ``__main__``)."""
+    results: dict[str, Any] = {}
+    root = workdir(cfg)
+    cfg.log(f"work directory: {root}")
+    try:
+        _run(cfg, root, results)
+    finally:
+        if not cfg.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    return results
+
+
+def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
+    only = cfg.only
+    meta = results.setdefault("meta", {})
+    work: Workload | None = None
+    emb: RunAddress | None = None
+    rec: Recording | None = None
+    versions = max(2, cfg.versions)
+    if only & (RECORDING | {"follower_sync_s"}) or (cfg.kafka and "commit_throughput_mb_s" in only):
+        t0 = time.perf_counter()
+        work = Workload.build(cfg.params)
+        cfg.log(f"model: {work.layers} x Linear({work.width}, {work.width}), "
+                f"{work.params / 1e6:.1f}M fp32 params + Adam; {cfg.warmup_steps} warm-up steps")
+        work.step(cfg.warmup_steps)
+        meta.update(params=work.params, width=work.width, layers=work.layers,
+                    raw_state_bytes=work.raw_bytes(), warmup_steps=cfg.warmup_steps,
+                    warmup_s=time.perf_counter() - t0, versions=versions)
+        cfg.log(f"  warm-up done in {time.perf_counter() - t0:.1f} s; "
+                f"state {work.raw_bytes() / MB:.0f} MB")
+
+    if work is not None and only & (RECORDING | {"follower_sync_s"}):
+        d = root / "embedded"
+        d.mkdir()
+        db = f"sqlite://{d / 'rewind.db'}"
+        emb = RunAddress(db, db, "bench", f"file://{d / 'snapshots'}")
+        tail = versions // 2
+        rec = Recording()
+        if only & {"commit_blocking_s", "commit_throughput_mb_s"}:
+            cfg.log(f"baselines: torch.save (+fsync) and memcpy of the state, {versions} times")
+            baselines(cfg, work, root / "baseline.pt", versions, rec)
+        need_snapshot = bool(only & {"recovery_s", "follower_sync_s"})
+        cfg.log(f"recording (embedded): v1 FULL + {versions} versions"
+                + (f", snapshot at v{1 + versions - tail}" if need_snapshot else ""))
+        t0 = time.perf_counter()
+        record(cfg, work, emb, versions=versions,
+               snapshot_at=(1 + versions - tail) if need_snapshot else None,
+               label="embedded", recording=rec)
+        meta["recording_s"] = time.perf_counter() - t0
+        meta["log_file_bytes"] = sum(p.stat().st_size for p in d.glob("rewind.db*"))
+        # The checkpoint torch.load reads: the newest version's state, written in this run.
+        rec.last_checkpoint = str(root / "checkpoint.pt")
+        save_checkpoint(work, rec.last_checkpoint, fsync=True)
+        if "recovery_s" in only:
+            cfg.log("recovery: snapshot + tail replay vs torch.load, each in a fresh process")
+            results["recovery_s"] = recovery(cfg, emb, rec, work)
+        if "follower_sync_s" in only:
+            why = follower_available()
+            if why is not None:
+                results["follower_sync_s"] = {"skipped": why}
+            else:
+                cfg.log("follower: full sync (fresh follower), then one version per poll")
+                try:
+                    from replayer.replay import restorer
+
+                    def follow(recorder: Recorder, _r: Recording) -> None:
+                        results["follower_sync_s"] = follower_sync(cfg, emb, work, recorder)
+
+                    # A new writer session: restore (snapshot + tail) to continue the run.
+                    record(cfg, work, emb, versions=-1, snapshot_at=None, label="follower",
+                           before_close=follow, restorer=restorer(emb))
+                except Exception as exc:  # noqa: BLE001 - reported, not fatal to the run
+                    results["follower_sync_s"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+        if "commit_blocking_s" in only:
+            results["commit_blocking_s"] = blocking_figures(rec)
+        if "commit_throughput_mb_s" in only:
+            tp = throughput_of(rec)
+            save = torch_save_fsync_mb_s(rec)
+            results["commit_throughput_mb_s"] = {
+                "embedded": tp["mb_s"],
+                "embedded_median_version": tp["median_version_mb_s"],
+                "embedded_median_durable_s": tp["median_durable_s"],
+                "embedded_full_commit_s": tp["full_commit_s"],
+                "torch_save_fsync": save,
+                "ratio_embedded": _ratio(tp["mb_s"], save),
+                "kafka": None, "ratio_kafka": None,
+                "versions": tp["versions"],
+                "samples": {"embedded_durable_s": rec.durable, "raw_bytes": rec.raw,
+                            "torch_save_fsync_s": rec.fsync_s},
+            }
+        if "bytes_per_commit_ratio" in only:
+            b = bytes_ratio_of(rec)
+            results["bytes_per_commit_ratio"] = {
+                "fp32": b["ratio"], "fp32_aggregate": b["aggregate"],
+                "fp32_full_commit": b["full_commit"], "fp32_after_steps": cfg.warmup_steps,
+                "samples": {"fp32_encoded_bytes": rec.encoded, "fp32_raw_bytes": rec.raw},
+            }
+
+    if "bytes_per_commit_ratio" in only:
+        cfg.log(f"bf16: {cfg.bf16_warmup_steps} warm-up steps, v1 FULL + {cfg.bf16_versions} versions")
+        wb = Workload.build(min(cfg.params, BF16_MAX_PARAMS), dtype=torch.bfloat16)
+        wb.step(cfg.bf16_warmup_steps)
+        d = root / "bf16"
+        d.mkdir()
+        db = f"sqlite://{d / 'rewind.db'}"
+        rb = record(cfg, wb, RunAddress(db, db, "bench-bf16"), versions=cfg.bf16_versions,
+                    snapshot_at=None, label="bf16")
+        b = bytes_ratio_of(rb)
+        out = results.setdefault("bytes_per_commit_ratio", {})
+        out.update(bf16=b["ratio"], bf16_aggregate=b["aggregate"],
+                   bf16_full_commit=b["full_commit"], bf16_after_steps=cfg.bf16_warmup_steps,
+                   bf16_params=wb.params)
+        del wb
+        shutil.rmtree(d, ignore_errors=True)
+
+    if cfg.kafka:
+        why = kafka_available()
+        if why is not None:
+            results["kafka_produce_mb_s"] = {"skipped": why}
+        else:
+            if work is not None and "commit_throughput_mb_s" in only:
+                run_id = f"bench-{uuid.uuid4().hex[:8]}"
+                url = kafka_url(cfg.kafka)
+                coord = cfg.redis or f"sqlite://{root / 'kafka-coord.db'}"
+                kaddr = RunAddress(url, coord, run_id)
+                cfg.log(f"recording (kafka {bootstrap_of(cfg.kafka)}, coordinator "
+                        f"{'redis' if cfg.redis else 'embedded'}): v1 FULL + {versions} versions")
+                try:
+                    kr = record(cfg, work, kaddr, versions=versions, snapshot_at=None,
+                                label="kafka")
+                    tp = throughput_of(kr)
+                    out = results.setdefault("commit_throughput_mb_s", {})
+                    out.update(kafka=tp["mb_s"], kafka_median_version=tp["median_version_mb_s"],
+                               kafka_full_commit_s=tp["full_commit_s"])
+                    out["ratio_kafka"] = _ratio(tp["mb_s"], out.get("torch_save_fsync"))
+                finally:
+                    _delete_topics(cfg.kafka, run_topics(cfg.kafka, run_id))
+            if "kafka_produce_mb_s" in only:
+                size = 3 * 1024 * 1024
+                if rec is not None:
+                    enc = rec.deltas(rec.encoded)
+                    ev = rec.deltas(rec.events)
+                    if sum(ev):
+                        size = max(64 * 1024, int(sum(enc) / sum(ev)))
+                total = min(max(meta.get("raw_state_bytes", 0), 256 * 1024**2), 1024**3)
+                cfg.log(f"kafka produce: {size} B records, {total / MB:.0f} MB per repeat")
+                results["kafka_produce_mb_s"] = kafka_produce(cfg, size, total)
+    elif "kafka_produce_mb_s" in only:
+        results["kafka_produce_mb_s"] = {"skipped": "no --kafka broker given"}
+
+    if "follower_sync_s" in only and "follower_sync_s" not in results:
+        results["follower_sync_s"] = {"skipped": "needs the embedded recording run"}
