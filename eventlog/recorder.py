@@ -202,7 +202,9 @@ class Recorder:
             bits = tensorcodec.tensor_bits(t)
             buf = staged.get(name)
             if buf is None or buf.shape != bits.shape:
-                buf = staged[name] = np.empty_like(bits)
+                # torch's allocator backs large buffers with huge pages: first-touch page
+                # faults of a fresh numpy buffer cost more than the copy itself.
+                buf = staged[name] = torch.empty(len(bits), dtype=torch.uint8).numpy()
             np.copyto(buf, bits)
         for name in list(staged):
             if name not in tensors:
