@@ -42,7 +42,6 @@ from .events import (
     RunStarted,
     SamplerCursor,
     SchedulerStep,
-    TensorDelta,
     TensorSpec,
 )
 from .fold import RebuiltState, Target, index_control, rebuild
@@ -336,10 +335,7 @@ class Recorder:
         bodies: list[tuple[int, Body]] = []
         for name, chunks in encoded.items():
             s = spec_of[name]
-            for c in chunks:
-                bodies.append((s.shard, TensorDelta(
-                    name, s.dtype, s.shape, c.chunk_index, c.chunk_count, c.byte_offset,
-                    c.byte_length, c.encoding, c.compression, c.base_version, c.digest, c.payload)))
+            bodies.extend((s.shard, c.to_delta(name, s.dtype, s.shape)) for c in chunks)
         shard_counts = [0] * self._shards
         for shard, _ in bodies:
             shard_counts[shard] += 1

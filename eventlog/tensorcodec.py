@@ -123,6 +123,12 @@ class EncodedChunk:
     digest: bytes
     payload: bytes
 
+    def to_delta(self, name: str, dtype: str, shape: tuple[int, ...]) -> TensorDelta:
+        """The ``TensorDelta`` event body of this chunk of tensor ``name``."""
+        return TensorDelta(name, dtype, shape, self.chunk_index, self.chunk_count,
+                           self.byte_offset, self.byte_length, self.encoding, self.compression,
+                           self.base_version, self.digest, self.payload)
+
 
 def _compress(data: np.ndarray, typesize: int) -> bytes:
     return bytes(

@@ -38,8 +38,7 @@ _CHUNKS = tensorcodec.encode_tensor(_BITS, None, typesize=4, base_version=-1, ch
 
 
 def _delta(c: tensorcodec.EncodedChunk) -> TensorDelta:
-    return TensorDelta("w", "float32", (64,), c.chunk_index, c.chunk_count, c.byte_offset,
-                       c.byte_length, c.encoding, c.compression, c.base_version, c.digest, c.payload)
+    return c.to_delta("w", "float32", (64,))
 
 
 def _samples() -> list[Envelope]:
