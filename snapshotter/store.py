@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import safetensors.torch
+from safetensors.torch import load as load_safetensors
 import torch
 import xxhash
 
@@ -166,7 +167,7 @@ def shard_file_bytes(state: ShardState) -> bytes:
 def load_shard_file(data: bytes, shard: int, where: str) -> dict[str, TensorBits]:
     """Parse a verified safetensors shard file into raw tensor bits."""
     try:
-        loaded = safetensors.torch.load(data)
+        loaded = load_safetensors(data)  # safetensors' own format: no pickle
     except Exception as exc:  # safetensors raises its own error types on damage
         raise SnapshotCorruptError(f"{where}: not a valid safetensors file ({exc})") from exc
     out = {}
