@@ -95,13 +95,18 @@ def test_encrypted_run_recovers_bit_exactly_and_a_wrong_key_is_refused(run: RunA
             replay(run, Target())
 
 
-def test_a_flipped_byte_and_swapped_chunks_are_detected(run: RunAddress) -> None:
-    ring = _ring(k1=_key())
+def _record_encrypted(run: RunAddress, ring: Keyring, versions: int) -> str:
+    """Record ``versions`` encrypted versions; returns the embedded database's path."""
     with crypto.using(ring):
         trainer = Trainer(run)
-        trainer.train(3)
+        trainer.train(versions)
         trainer.rec.close()
-    db_path = run.log_url[len("sqlite://"):]
+    return run.log_url[len("sqlite://"):]
+
+
+def test_a_flipped_byte_and_swapped_chunks_are_detected(run: RunAddress) -> None:
+    ring = _ring(k1=_key())
+    db_path = _record_encrypted(run, ring, 3)
     with sqlite3.connect(db_path) as db:
         rows = db.execute("SELECT partition, offset, value FROM records WHERE partition=0 "
                           "ORDER BY offset").fetchall()
@@ -128,11 +133,7 @@ def test_a_payload_moved_to_another_gsn_fails_authentication(run: RunAddress) ->
     from eventlog import serde
 
     ring = _ring(k1=_key())
-    with crypto.using(ring):
-        trainer = Trainer(run)
-        trainer.train(2)
-        trainer.rec.close()
-    db_path = run.log_url[len("sqlite://"):]
+    db_path = _record_encrypted(run, ring, 2)
     with sqlite3.connect(db_path) as db:
         rows = db.execute("SELECT offset, value FROM records WHERE partition=0 ORDER BY offset").fetchall()
         a, b = serde.decode(rows[0][1]), serde.decode(rows[1][1])
