@@ -251,10 +251,13 @@ Keep = Annotated[int, typer.Option("--keep-last", help="keep the N newest snapsh
 Best = Annotated[Optional[str], typer.Option("--keep-best", help="also keep the best: METRIC:K[:max|min]")]
 EverySteps = Annotated[Optional[int], typer.Option("--keep-every", help="also keep one per M steps")]
 History = Annotated[str, typer.Option("--history", help="keep-all, since-oldest-snapshot, or N steps")]
+Holder = Annotated[Optional[str], typer.Option(
+    "--holder", help="lease holder id; a restarted snapshotter with the same id takes its lease back "
+                     "at once (default: a random id, which waits for the old lease to expire)")]
 
 
 def _snapshotter(address: RunAddress, every: int, seconds: float, keep: int, best: Optional[str],
-                 every_steps: Optional[int], history: str):  # type: ignore[no-untyped-def]
+                 every_steps: Optional[int], history: str, holder: Optional[str]):  # type: ignore[no-untyped-def]
     from snapshotter.service import Snapshotter, SnapshotterConfig
     from snapshotter.store import SnapshotStore
 
@@ -262,19 +265,20 @@ def _snapshotter(address: RunAddress, every: int, seconds: float, keep: int, bes
         raise RewindError("no snapshot store: pass --snapshots file://DIR (or use --run-dir)")
     trigger, retention = _policies(every, seconds, keep, best, every_steps)
     config = SnapshotterConfig(trigger=trigger, retention=retention, history=history)
-    return Snapshotter(address, SnapshotStore(address.snapshots_url), config,
+    return Snapshotter(address, SnapshotStore(address.snapshots_url), config, holder=holder,
                        on_event=lambda m: console.print(m, markup=False, highlight=False))
 
 
 @app.command()
 def snapshot(
     keep: Keep = 3, best: Best = None, every_steps: EverySteps = None, history: History = "keep-all",
+    holder: Holder = None,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,
 ) -> None:
     """Write one snapshot of the newest sealed version now."""
     address = address_of(run_dir, log, coord, run, snapshots)
-    with _snapshotter(address, 1, 0.0, keep, best, every_steps, history) as snap:
+    with _snapshotter(address, 1, 0.0, keep, best, every_steps, history, holder) as snap:
         result = snap.snapshot(force=True)
     if result is None:
         console.print("nothing new to snapshot")
@@ -286,7 +290,7 @@ def snapshot(
 @app.command("snapshotter")
 def snapshotter_cmd(
     every: Every = 100, seconds: Seconds = 600.0, keep: Keep = 3, best: Best = None,
-    every_steps: EverySteps = None, history: History = "keep-all",
+    every_steps: EverySteps = None, history: History = "keep-all", holder: Holder = None,
     max_snapshots: Annotated[Optional[int], typer.Option("--max-snapshots", help="exit after N snapshots")] = None,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,
@@ -295,7 +299,7 @@ def snapshotter_cmd(
     from eventlog import FencedError
 
     address = address_of(run_dir, log, coord, run, snapshots)
-    with _snapshotter(address, every, seconds, keep, best, every_steps, history) as snap:
+    with _snapshotter(address, every, seconds, keep, best, every_steps, history, holder) as snap:
         try:
             snap.run(max_snapshots=max_snapshots)
         except FencedError as exc:

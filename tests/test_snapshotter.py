@@ -4,10 +4,11 @@ truncation and the lease. Runs on every backend of the contract matrix."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,12 +68,17 @@ def _snapshotter(address: RunAddress, holder: str | None = None, **config: objec
                        SnapshotterConfig(**config), holder=holder)  # type: ignore[arg-type]
 
 
-def _snapshot_in_child(address: RunAddress, point: str) -> None:
-    knobs._FAULT_KILL = point  # the child reaches this point and SIGKILLs itself
-    # A restarted snapshotter keeps its identity, so it takes its own lease back at once.
-    with _snapshotter(address, "snap-1", trigger=every_versions(1), retention=keep_last(100)) as snap:
-        snap.snapshot(force=True)
-    os._exit(0)
+def _snapshot_in_child(address: RunAddress, point: str) -> subprocess.CompletedProcess[str]:
+    """``rewind snapshot`` in a fresh process that SIGKILLs itself at ``point``.
+
+    A real process, not a fork: a fork of this multi-threaded test process can inherit a lock
+    held by another thread and hang. A restarted snapshotter keeps its identity (``--holder``),
+    so it takes its own lease back at once."""
+    cmd = [sys.executable, "-c", "from replayer.cli import main; main()", "snapshot",
+           "--log", address.log_url, "--coord", address.coord_url, "--run", address.run_id,
+           "--snapshots", address.snapshots_url or "", "--holder", "snap-1", "--keep-last", "100"]
+    return subprocess.run(cmd, env={**os.environ, "REWIND_FAULT_KILL": point},
+                          capture_output=True, text=True, timeout=180)
 
 
 KILL_POINTS = ["snapshot:begun", "snapshot:files:0", "snapshot:files:1", "snapshot:manifest",
@@ -86,15 +92,12 @@ def test_kill_mid_snapshot_never_uses_a_partial_snapshot(run: RunAddress) -> Non
     with _snapshotter(run, "snap-1", retention=keep_last(100)) as snap:
         assert snap.snapshot(force=True) is not None
     good = {m.snapshot_id for m in markers(index_control(run.open_log())).values()}
-    ctx = multiprocessing.get_context("fork")
     rng = random.Random(4)
-    for i in range(20):
+    for _ in range(20):
         trainer.train(1)
         point = rng.choice(KILL_POINTS)
-        child = ctx.Process(target=_snapshot_in_child, args=(run, point))
-        child.start()
-        child.join(120)
-        assert child.exitcode == -signal.SIGKILL, f"kill point {point} did not fire"
+        child = _snapshot_in_child(run, point)
+        assert child.returncode == -signal.SIGKILL, f"kill point {point} did not fire: {child.stderr}"
         model, report = _model_at(run, Target())
         assert _bit_equal(model, trainer.states[trainer.step - 1]), f"after kill at {point}"
         assert report.snapshot is not None and any(g in report.snapshot for g in good)
