@@ -87,6 +87,18 @@ class _Database:
             raise self.wrap(exc) from exc
         return c
 
+    def records_have_rowid(self) -> bool:
+        """Whether ``records`` is a rowid table (files made before it was are WITHOUT ROWID,
+        and their blobs cannot be opened incrementally)."""
+        known: bool | None = getattr(self, "_rowid", None)
+        if known is None:
+            row = self.conn().execute(
+                "SELECT sql FROM sqlite_master WHERE type='table' AND name='records'"
+            ).fetchone()
+            known = row is not None and "WITHOUT ROWID" not in str(row[0]).upper()
+            self._rowid = known
+        return known
+
     def conn(self) -> sqlite3.Connection:
         """This thread's connection."""
         c: sqlite3.Connection | None = getattr(self._local, "conn", None)
@@ -290,15 +302,43 @@ class EmbeddedLog(EventLog):
         self, partition: int, *, gt: int | None = None, lte: int | None = None,
         limit: int | None = None,
     ) -> list[Record]:
-        rows = self._db.conn().execute(
-            "SELECT offset, value FROM records WHERE run=? AND partition=? AND offset>? "
-            "AND offset<=? ORDER BY offset LIMIT ?",
-            (
-                self.run_id, partition, -1 if gt is None else gt,
-                (1 << 62) if lte is None else lte, -1 if limit is None else limit,
-            ),
-        ).fetchall()
-        return [Record(partition, int(o), bytes(v)) for o, v in rows]
+        # The rows are found first, then each value is read through an incremental blob
+        # handle: ``sqlite3.Blob.read`` copies once, straight into the bytes object, with the
+        # GIL released, where ``SELECT value`` copies twice holding it (readers of several
+        # shards in threads then run one at a time). The read transaction makes the lookup
+        # and the blob reads see one snapshot of the database, as one SELECT would.
+        conn = self._db.conn()
+        params = (
+            self.run_id, partition, -1 if gt is None else gt,
+            (1 << 62) if lte is None else lte, -1 if limit is None else limit,
+        )
+        if not self._db.records_have_rowid():  # a file from before the rowid table
+            rows = conn.execute(
+                "SELECT offset, value FROM records WHERE run=? AND partition=? AND offset>? "
+                "AND offset<=? ORDER BY offset LIMIT ?",
+                params,
+            ).fetchall()
+            return [Record(partition, int(o), bytes(v)) for o, v in rows]
+        own = not conn.in_transaction
+        if own:
+            conn.execute("BEGIN")
+        try:
+            rows = conn.execute(
+                "SELECT rowid, offset FROM records WHERE run=? AND partition=? AND offset>? "
+                "AND offset<=? ORDER BY offset LIMIT ?",
+                params,
+            ).fetchall()
+            out = []
+            for rowid, o in rows:
+                with conn.blobopen("records", "value", rowid, readonly=True) as blob:
+                    out.append(Record(partition, int(o), blob.read()))
+        except BaseException:
+            if own and conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        if own:
+            conn.execute("COMMIT")  # read only: ends the snapshot, writes nothing
+        return out
 
     def _partition_row(self, partition: int) -> tuple[int, int]:
         row = self._db.conn().execute(
