@@ -14,6 +14,7 @@ checked on decode: a damaged payload is never applied.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import blosc2
@@ -218,17 +219,47 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
             raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {n}")
         plain = np.frombuffer(delta.payload, dtype=np.uint8)
     elif delta.compression == "blosc2-zstd":
-        plain = _decompress(delta.payload, n, where)
+        plain = _decompress(delta.payload, n, where, out=_scratch(n))
     else:
         raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
     target = bits[off : off + n]
-    produced = plain if delta.encoding == TensorDelta.FULL else np.bitwise_xor(target, plain)
-    if digest(produced) != delta.digest:
-        raise CorruptMessageError(
-            f"{where}: chunk {delta.chunk_index} of tensor {delta.name!r} produces bits whose "
-            f"xxh3 digest {digest(produced).hex()} differs from the recorded {delta.digest.hex()}"
-        )
-    target[:] = produced
+    if delta.encoding == TensorDelta.FULL:
+        got = digest(plain)
+        if got != delta.digest:
+            raise _digest_error(delta, got, where)
+        target[:] = plain
+        return
+    # XOR in place (no new array, one pass fewer); a wrong digest XORs the same bits back,
+    # which restores the target exactly, before raising.
+    np.bitwise_xor(target, plain, out=target)
+    try:
+        got = digest(target)
+    except BaseException:
+        np.bitwise_xor(target, plain, out=target)
+        raise
+    if got != delta.digest:
+        np.bitwise_xor(target, plain, out=target)
+        raise _digest_error(delta, got, where)
+
+
+def _digest_error(delta: TensorDelta, got: bytes, where: str) -> CorruptMessageError:
+    return CorruptMessageError(
+        f"{where}: chunk {delta.chunk_index} of tensor {delta.name!r} produces bits whose "
+        f"xxh3 digest {got.hex()} differs from the recorded {delta.digest.hex()}"
+    )
+
+
+#: Per-thread decompression buffer (decode threads each reuse one, grown as needed).
+_local = threading.local()
+
+
+def _scratch(n: int) -> np.ndarray:
+    """This thread's reusable buffer, ``n`` bytes long. Its contents are only valid until
+    the thread's next decode: callers copy or XOR them out right away."""
+    buf: np.ndarray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = np.empty(n, dtype=np.uint8)
+    return buf[:n]
 
 
 def _is_chunk_of(total: int, index: int, count: int, off: int, n: int) -> bool:
@@ -248,7 +279,13 @@ def _is_chunk_of(total: int, index: int, count: int, off: int, n: int) -> bool:
     return step % 16 == 0 and off == index * step and count == -(-total // step)
 
 
-def _decompress(payload: bytes, n: int, where: str) -> np.ndarray:
+def _decompress(payload: bytes, n: int, where: str, out: np.ndarray | None = None) -> np.ndarray:
+    """The ``n`` bytes a blosc2 payload holds, written into ``out`` (``n`` bytes) if given.
+
+    One blosc2 thread per call: decodes already run one per worker thread (chunks of
+    several shards in parallel), so blosc2's own threads would only oversubscribe the
+    cores, and make a one-worker replay quietly use two.
+    """
     # Check blosc2's own header before handing it the buffer: a forged header must not
     # make the decompressor allocate or write past what the event claims.
     try:
@@ -260,9 +297,14 @@ def _decompress(payload: bytes, n: int, where: str) -> np.ndarray:
             f"{where}: blosc2 header claims {nbytes} bytes from {cbytes}, "
             f"event claims {n} from {len(payload)}"
         )
-    out = np.empty(n, dtype=np.uint8)
+    if out is None:
+        out = np.empty(n, dtype=np.uint8)
+    elif out.dtype != np.uint8 or out.shape != (n,) or not out.flags.c_contiguous:
+        raise ValueError(f"decompress buffer must be {n} contiguous bytes")
     try:
-        blosc2.decompress2(payload, dst=out)
+        got = blosc2.decompress2(payload, dst=out, nthreads=1)
     except Exception as exc:
         raise CorruptMessageError(f"{where}: payload does not decompress ({exc})") from exc
+    if got is not None and got != n:  # some versions return the size written
+        raise CorruptMessageError(f"{where}: payload decompresses to {got} bytes, want {n}")
     return out
