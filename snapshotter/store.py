@@ -21,14 +21,13 @@ from typing import Any
 import msgpack
 import numpy as np
 import safetensors.torch
-from safetensors.torch import load as load_safetensors
 import torch
 import xxhash
 
-from eventlog import ConfigError, CorruptMessageError, RewindError, crypto, knobs
+from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto, knobs
 from eventlog.apply import ShardState, TensorBits
 from eventlog.fold import SmallStates
-from eventlog.tensorcodec import nbytes_of, torch_dtype
+from eventlog.tensorcodec import itemsize, nbytes_of, torch_dtype
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -132,9 +131,9 @@ _FIELDS: dict[str, Any] = {
 }
 
 
-def digest_hex(data: bytes | memoryview) -> str:
+def digest_hex(data: bytes | memoryview | np.ndarray) -> str:
     """xxh3-128 of bytes, hex."""
-    return xxhash.xxh3_128_hexdigest(data)
+    return xxhash.xxh3_128_hexdigest(data)  # type: ignore[arg-type]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -164,19 +163,113 @@ def shard_file_bytes(state: ShardState) -> bytes:
     return bytes(safetensors.torch.save(tensors, metadata={"shard": str(state.shard)}))
 
 
-def load_shard_file(data: bytes, shard: int, where: str) -> dict[str, TensorBits]:
-    """Parse a verified safetensors shard file into raw tensor bits."""
+#: safetensors dtype codes -> the dtype names Rewind records (every one ``shard_file_bytes``
+#: can write; safetensors has no complex128).
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+    "BOOL": "bool", "C64": "complex64",
+}
+#: Largest safetensors header accepted (safetensors' own limit).
+_MAX_HEADER = 100_000_000
+#: Tensor data inside a loaded shard buffer starts on this boundary.
+_ALIGN = 64
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ValueError("duplicate keys")
+    return out
+
+
+def _header(buf: np.ndarray, where: str) -> tuple[dict[str, tuple[str, tuple[int, ...], int, int]], int]:
+    """Parse and validate a safetensors header: ``({name: (dtype, shape, begin, end)}, data
+    start)``. Offsets are relative to the data start; the tensors must tile the data exactly
+    (in range, no overlap, no gap), each as long as its dtype and shape say."""
+    size = len(buf)
+    if size < 8:
+        raise SnapshotCorruptError(f"{where}: not a valid safetensors file ({size} bytes)")
+    hlen = int.from_bytes(buf[:8].tobytes(), "little")
+    if hlen > _MAX_HEADER or 8 + hlen > size:
+        raise SnapshotCorruptError(
+            f"{where}: not a valid safetensors file (header of {hlen} bytes in a {size}-byte file)")
     try:
-        loaded = load_safetensors(data)  # safetensors' own format: no pickle
-    except Exception as exc:  # safetensors raises its own error types on damage
-        raise SnapshotCorruptError(f"{where}: not a valid safetensors file ({exc})") from exc
+        raw = json.loads(buf[8 : 8 + hlen].tobytes(), object_pairs_hook=_no_duplicates)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise SnapshotCorruptError(f"{where}: not a valid safetensors file (header: {exc})") from exc
+    if not isinstance(raw, dict):
+        raise SnapshotCorruptError(f"{where}: not a valid safetensors file (header is not an object)")
+    meta = raw.pop("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise SnapshotCorruptError(f"{where}: safetensors metadata is not a map of strings")
+    data_len = size - 8 - hlen
     out = {}
-    for name, t in loaded.items():
-        dtype = str(t.dtype).removeprefix("torch.")
-        shape = tuple(t.shape)
-        nbytes_of(dtype, shape, where)
-        flat = t.contiguous().reshape(-1)
-        bits = flat.view(torch.uint8).numpy().copy() if flat.numel() else np.empty(0, np.uint8)
+    for name, info in raw.items():
+        bad = f"{where}: safetensors entry {name!r} is invalid"
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            raise SnapshotCorruptError(bad)
+        dtype = _ST_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+        shape, offs = info["shape"], info["data_offsets"]
+        if dtype is None:
+            raise SnapshotCorruptError(f"{bad}: dtype {info['dtype']!r} is not supported")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise SnapshotCorruptError(f"{bad}: shape {shape!r}")
+        if not isinstance(offs, list) or len(offs) != 2 or \
+                not all(type(o) is int and 0 <= o <= data_len for o in offs) or offs[0] > offs[1]:
+            raise SnapshotCorruptError(f"{bad}: data offsets {offs!r} outside [0, {data_len}]")
+        try:
+            nbytes = nbytes_of(dtype, tuple(shape), where)
+        except DecodeError as exc:
+            raise SnapshotCorruptError(str(exc)) from exc
+        if offs[1] - offs[0] != nbytes:
+            raise SnapshotCorruptError(
+                f"{bad}: {offs[1] - offs[0]} bytes for {dtype}{shape}, which needs {nbytes}")
+        out[name] = (dtype, tuple(shape), offs[0], offs[1])
+    pos = 0
+    for _, _, begin, end in sorted(out.values(), key=lambda e: (e[2], e[3])):
+        if begin != pos:
+            raise SnapshotCorruptError(
+                f"{where}: safetensors tensors {'overlap' if begin < pos else 'leave a gap'} "
+                f"at data offset {min(begin, pos)}")
+        pos = end
+    if pos != data_len:
+        raise SnapshotCorruptError(f"{where}: safetensors data is {data_len} bytes, tensors cover {pos}")
+    return out, 8 + hlen
+
+
+def _writable_buffer(size: int, data_start: int = 0) -> np.ndarray:
+    """A writable uint8 buffer of ``size`` bytes whose byte ``data_start`` is ``_ALIGN``-aligned.
+
+    torch's allocator gives large buffers huge pages (fewer first-touch faults than numpy's).
+    """
+    raw = torch.empty(size + _ALIGN, dtype=torch.uint8).numpy()
+    shift = -(raw.ctypes.data + data_start) % _ALIGN
+    return raw[shift : shift + size]
+
+
+def load_shard_file(data: bytes | np.ndarray, shard: int, where: str) -> dict[str, TensorBits]:
+    """Parse a verified safetensors shard file into raw tensor bits.
+
+    Given a writable uint8 array (``SnapshotStore.read_buffer``), the tensors' bits are
+    views into it, not copies; given bytes, they are copied into one new buffer first. The
+    header is validated before any view is made: offsets in range, tiling the data exactly,
+    dtypes known, each length equal to shape x itemsize.
+    """
+    if isinstance(data, np.ndarray) and data.dtype == np.uint8 and data.ndim == 1 \
+            and data.flags.writeable and data.flags.c_contiguous:
+        buf = data
+        header, start = _header(buf, where)
+    else:
+        src = np.frombuffer(data, dtype=np.uint8)
+        header, start = _header(src, where)
+        buf = _writable_buffer(len(src), start)
+        buf[:] = src
+    out = {}
+    for name, (dtype, shape, begin, end) in header.items():
+        bits = buf[start + begin : start + end]
+        if bits.ctypes.data % itemsize(dtype):  # a foreign file's unaligned tensor: own copy
+            bits = bits.copy()
         out[name] = TensorBits(dtype, shape, bits)
     return out
 
@@ -290,6 +383,51 @@ class SnapshotStore:
         return crypto.require(key_id, where).decrypt(
             key_id, data, _file_aad(run_id, snapshot_id, entry.name), where)
 
+    def read_buffer(
+        self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None
+    ) -> np.ndarray:
+        """One file's bytes as a writable uint8 array, verified against its manifest entry
+        (and decrypted), like ``read_file``: read straight into one buffer (no copies), whose
+        safetensors data start is aligned for any dtype."""
+        path = self.directory(run_id, snapshot_id) / entry.name
+        if "/" in entry.name or entry.name.startswith("."):
+            raise SnapshotCorruptError(f"snapshot {snapshot_id}: bad file name {entry.name!r}")
+        try:
+            with open(path, "rb", buffering=0) as f:
+                size = os.fstat(f.fileno()).st_size
+                if size != entry.bytes:
+                    raise SnapshotCorruptError(
+                        f"snapshot {snapshot_id}: {path} has {size} bytes, manifest says "
+                        f"{entry.bytes} (truncated?)"
+                    )
+                head = os.pread(f.fileno(), 8, 0)
+                hlen = int.from_bytes(head, "little") if len(head) == 8 and key_id is None else 0
+                buf = _writable_buffer(size, 8 + hlen if hlen <= size else 0)
+                view, got = buf.data, 0
+                while got < size:
+                    n = f.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except OSError as exc:
+            raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} is missing") from exc
+        if got != size:
+            raise SnapshotCorruptError(
+                f"snapshot {snapshot_id}: {path} has {got} bytes, manifest says {entry.bytes} (truncated?)"
+            )
+        if digest_hex(buf) != entry.xxh3:
+            raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} fails its xxh3 checksum")
+        if key_id is None:
+            return buf
+        where = f"snapshot {snapshot_id} {entry.name}"
+        plain = crypto.require(key_id, where).decrypt(
+            key_id, buf.data, _file_aad(run_id, snapshot_id, entry.name), where)  # type: ignore[arg-type]
+        src = np.frombuffer(plain, dtype=np.uint8)
+        hlen = int.from_bytes(plain[:8], "little") if len(plain) >= 8 else 0
+        out = _writable_buffer(len(src), 8 + hlen if 8 + hlen <= len(src) else 0)
+        out[:] = src
+        return out
+
     def load(
         self, run_id: str, snapshot_id: str, expect_digest: bytes | None, *, workers: int = 2
     ) -> tuple[Manifest, list[ShardState], SmallStates]:
@@ -301,7 +439,7 @@ class SnapshotStore:
             name = f"shard-{shard}.safetensors"
             if name not in entries:
                 raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks {name}")
-            data = self.read_file(run_id, snapshot_id, entries[name], m.key_id)
+            data = self.read_buffer(run_id, snapshot_id, entries[name], m.key_id)
             gsn = m.applied_gsns[shard + 1]
             tensors = load_shard_file(data, shard, f"snapshot {snapshot_id} {name}")
             return ShardState(shard, tensors, applied_gsn=gsn, snapshot_gsn=gsn, version=m.version)
