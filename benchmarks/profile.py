@@ -176,8 +176,9 @@ def install_commit_timers() -> None:
 
 # ---------------------------------------------------------------------------- replay
 REPLAY_ORDER = [
-    "replay (wall)", "index_control", "snapshot: newest_valid (wall)", "  read_file (read + xxh3)",
-    "  load_shard_file (safetensors parse + copy)", "  shard digest (xxh3 of all bits)",
+    "replay (wall)", "index_control", "snapshot: newest_valid (wall)",
+    "  read_buffer (read + xxh3)", "  read_file (read + xxh3)",
+    "  load_shard_file (safetensors header + views)", "  shard digest (xxh3 of all bits)",
     "rebuild (wall)", "  fold_shard [workers]", "    sqlite read (log.read)",
     "    avro decode", "    apply (decode_chunk)", "      decompress (blosc2)",
     "      xxh3 digest", "  verify_shard [workers]",
@@ -191,9 +192,11 @@ def install_replay_timers() -> None:
     wrap(replay_mod, "replay", "replay (wall)")
     wrap(replay_mod, "index_control", "index_control")
     wrap(replay_mod, "newest_valid", "snapshot: newest_valid (wall)")
+    wrap(store_mod.SnapshotStore, "read_buffer", "  read_buffer (read + xxh3)",
+         lambda *a, **k: a[3].bytes)
     wrap(store_mod.SnapshotStore, "read_file", "  read_file (read + xxh3)",
          lambda *a, **k: a[3].bytes)
-    wrap(store_mod, "load_shard_file", "  load_shard_file (safetensors parse + copy)",
+    wrap(store_mod, "load_shard_file", "  load_shard_file (safetensors header + views)",
          lambda d, *a: len(d))
     wrap(apply_mod.ShardState, "digest", "  shard digest (xxh3 of all bits)")
     wrap(replay_mod, "rebuild", "rebuild (wall)")
@@ -202,10 +205,37 @@ def install_replay_timers() -> None:
     wrap(serde_mod.EnvelopeDeserializer, "__call__", "    avro decode", lambda self, d, *a: len(d))
     wrap(apply_mod.tensorcodec, "decode_chunk", "    apply (decode_chunk)",
          lambda d, *a: d.byte_length)
-    wrap(tc, "_decompress", "      decompress (blosc2)", lambda p, n, w: n)
+    wrap(tc, "_decompress", "      decompress (blosc2)", lambda p, n, w, **k: n)
     wrap(tc, "digest", "      xxh3 digest", lambda b, *a, **k: _nbytes(b))
     wrap(fold_mod, "verify_shard", "  verify_shard [workers]")
     del catalog_mod
+
+
+def profile_replays(console: Console, addr: RunAddress) -> None:
+    """Timed replays (1 and 2 workers, then to the newest snapshot's version) of a run."""
+    import replayer.replay as replay_mod
+
+    install_replay_timers()
+    snap_version, raw = 0, 0
+    for workers in (1, 2):
+        T.reset()
+        t0 = time.perf_counter()
+        state, report = replay_mod.replay(addr, Target(), workers=workers)
+        wall = time.perf_counter() - t0
+        snap_version = report.snapshot_version
+        raw = sum(t.bits.nbytes for s in state.shards for t in s.tensors.values())
+        del state
+        show(console, f"replay v{report.version} (snapshot v{snap_version} + "
+             f"{report.tail_versions} versions), {workers} worker(s)", wall,
+             raw * report.tail_versions, REPLAY_ORDER)
+    if snap_version:
+        T.reset()
+        t0 = time.perf_counter()
+        replay_mod.replay(addr, Target("version", snap_version), workers=2)
+        wall = time.perf_counter() - t0
+        show(console, "replay to the snapshot's own version (no tail), 2 workers", wall, raw,
+             REPLAY_ORDER)
+    unpatch()
 
 
 # ---------------------------------------------------------------------------- primitives
@@ -336,9 +366,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup-steps", type=int, default=30)
     ap.add_argument("--parts", default="commit,replay,primitives")
     ap.add_argument("--workdir")
+    ap.add_argument("--replay-run", nargs=3, metavar=("LOG_URL", "RUN_ID", "SNAPSHOTS_URL"),
+                    help="only profile replays of an existing run (e.g. one kept by "
+                         "python -m benchmarks --keep: LOG_URL is its embedded/rewind.db)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     console = Console(width=150)
+    if args.replay_run:
+        log_url, run_id, snaps = args.replay_run
+        profile_replays(console, RunAddress(log_url, log_url, run_id, snaps or None))
+        return 0
     work = Workload.build(parse_size(args.size))
     work.step(args.warmup_steps)
     raw = work.raw_bytes()
