@@ -13,10 +13,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import tensorcodec
+import torch
+
+from . import optimstep, tensorcodec
 from .digests import chunk_digests, shard_digest, tensor_digest
-from .errors import DigestMismatchError, IntegrityError
-from .events import CommitSealed, Envelope, TensorDelta, TensorSpec
+from .errors import DecodeError, DigestMismatchError, IntegrityError
+from .events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
 
 APPLIED = "applied"
 SKIPPED_BY_SNAPSHOT = "skipped_by_snapshot"
@@ -75,15 +77,21 @@ class ShardState:
     next_offset: int = 0
     counts: ApplyCounts = field(default_factory=ApplyCounts)
     applied_per_version: Counter[int] = field(default_factory=Counter)
+    #: Gradients of a predictive version, gathered for its next ``OptimizerStep``.
+    grads: dict[str, TensorBits] = field(default_factory=dict)
+    grad_chunks: dict[str, tuple[int, set[int]]] = field(default_factory=dict)  # count, seen
 
     def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str) -> str:
         """Apply one event under the exactly-once rule; returns its outcome."""
         outcome = classify(env, self.applied_gsn, self.snapshot_gsn, sealed)
         if outcome == APPLIED:
             body = env.body
-            if not isinstance(body, TensorDelta):
+            if isinstance(body, OptimizerStep):
+                self._apply_step(body, env.version, where)
+            elif isinstance(body, TensorDelta):
+                self._apply_delta(body, where)
+            else:
                 raise IntegrityError(f"{where}: a {env.kind} event on tensor shard {self.shard}")
-            self._apply_delta(body, where)
             self.applied_gsn = env.gsn
             self.version = max(self.version, env.version)
             self.applied_per_version[env.version] += 1
@@ -91,10 +99,11 @@ class ShardState:
         return outcome
 
     def _apply_delta(self, delta: TensorDelta, where: str) -> None:
-        buf = self.tensors.get(delta.name)
+        into = self.grads if delta.encoding == TensorDelta.GRAD else self.tensors
+        buf = into.get(delta.name)
         shape = tuple(delta.shape)
         if buf is None or buf.dtype != delta.dtype or buf.shape != shape:
-            if delta.encoding != TensorDelta.FULL:
+            if delta.encoding not in (TensorDelta.FULL, TensorDelta.GRAD):
                 raise IntegrityError(
                     f"{where}: XOR chunk for tensor {delta.name!r} {delta.dtype}{list(shape)} "
                     "has no base state to apply to"
@@ -102,8 +111,55 @@ class ShardState:
             n = tensorcodec.nbytes_of(delta.dtype, shape, where)
             tensorcodec.torch_dtype(delta.dtype, where)
             buf = TensorBits(delta.dtype, shape, np.zeros(n, dtype=np.uint8))
-            self.tensors[delta.name] = buf
+            into[delta.name] = buf
         tensorcodec.decode_chunk(delta, buf.bits, where)
+        if delta.encoding == TensorDelta.GRAD:
+            count, seen = self.grad_chunks.setdefault(delta.name, (delta.chunk_count, set()))
+            if count != delta.chunk_count:
+                raise IntegrityError(f"{where}: gradient chunks of {delta.name!r} disagree on their count")
+            seen.add(delta.chunk_index)
+
+    def _apply_step(self, step: OptimizerStep, version: int, where: str) -> None:
+        """Replay one optimizer step on this shard's tensors, in place, and check that it
+        predicted what the recording predicted (residual chunks then follow)."""
+        if not len(step.params) == len(step.groups) == len(step.states) or len(step.predicted) != len(
+            step.predicted_digests
+        ):
+            raise DecodeError(f"{where}: optimizer step lists of different lengths")
+        params, grads, states = [], [], []
+        for name, prefix in zip(step.params, step.states, strict=True):
+            param, grad = self.tensors.get(name), self.grads.get(name)
+            count, seen = self.grad_chunks.get(name, (0, set()))
+            if (param is None or grad is None or grad.dtype != param.dtype
+                    or grad.shape != param.shape or len(seen) != count):
+                raise IntegrityError(f"{where}: optimizer step of version {version} updates {name!r}, "
+                                     "but the shard holds no such param or not its whole gradient")
+            params.append(optimstep.tensor_view(param.bits, param.dtype, param.shape))
+            grads.append(optimstep.tensor_view(grad.bits, grad.dtype, grad.shape))
+            keyed = {n[len(prefix) + 1:]: t for n, t in self.tensors.items() if n.startswith(prefix + "/")}
+            states.append({k: optimstep.tensor_view(t.bits, t.dtype, t.shape)
+                           for k, t in keyed.items() if "/" not in k})
+        recorded = f"torch {step.torch_version} on {step.device}"
+        replaying = f"torch {torch.__version__} on {'cuda' if torch.cuda.is_available() else 'cpu'}"
+        try:
+            optimstep.run_step(step.optimizer, optimstep.unpack_hyperparams(step.hyperparams, where),
+                               params, grads, states, step.groups)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise IntegrityError(f"{where}: cannot replay the {step.optimizer} step of version "
+                                 f"{version} (recorded under {recorded}, replaying under {replaying}): {exc}") from exc
+        finally:
+            self.grads.clear()
+            self.grad_chunks.clear()
+        for name, want in zip(step.predicted, step.predicted_digests, strict=True):
+            t = self.tensors.get(name)
+            got = None if t is None else tensorcodec.digest(t.bits)
+            if got != want:
+                raise DigestMismatchError(
+                    f"{where}: the replayed {step.optimizer} step of version {version} predicted "
+                    f"tensor {name!r} differently from the recording (recorded under {recorded}; "
+                    f"replaying under {replaying}): digest {got.hex() if got else 'missing'}, "
+                    f"recorded {want.hex()}"
+                )
 
     def digest(self, specs: Sequence[TensorSpec], chunk_bytes: int) -> bytes:
         """This shard's digest over the tensors ``specs`` assigns to it."""

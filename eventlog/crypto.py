@@ -24,7 +24,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from .errors import ConfigError, CorruptMessageError
-from .events import SMALL_STATE_TYPES, Envelope, TensorDelta
+from .events import SMALL_STATE_TYPES, Envelope, OptimizerStep, TensorDelta
 
 NONCE = 12
 TAG = 16
@@ -165,6 +165,8 @@ def _secret(env: Envelope) -> tuple[str, bytes, str, int] | None:
         return "payload", body.payload, body.name, body.chunk_index
     if isinstance(body, SMALL_STATE_TYPES):
         return "state", body.state, body.name, 0
+    if isinstance(body, OptimizerStep):
+        return "hyperparams", body.hyperparams, "optimizer-step", body.index
     return None
 
 

@@ -45,6 +45,10 @@ class TensorDelta:
 
     FULL: ClassVar[str] = "FULL"
     XOR: ClassVar[str] = "XOR"
+    #: v3, predictive versions: the gradient of ``name`` the next ``OptimizerStep`` consumes
+    #: (bits themselves, like FULL), and the residual: actual bits XOR the predicted bits.
+    GRAD: ClassVar[str] = "GRAD"
+    RESIDUAL: ClassVar[str] = "RESIDUAL"
 
     name: str
     dtype: str
@@ -131,6 +135,27 @@ class SnapshotEnd:
     fencing_token: int
 
 
+@dataclass(frozen=True)
+class OptimizerStep:
+    """v3: one ``optimizer.step()`` of a predictively encoded version, on one tensor shard.
+
+    The ``GRAD`` chunks of ``params`` precede it on the shard. Replaying it runs the same
+    step (``eventlog.optimstep``) on the previous state; the ``RESIDUAL`` chunks after it
+    turn the prediction into the recorded bits."""
+
+    optimizer: str
+    index: int
+    count: int
+    torch_version: str
+    device: str
+    hyperparams: bytes = field(repr=False)
+    params: tuple[str, ...]
+    groups: tuple[int, ...]
+    states: tuple[str, ...]
+    predicted: tuple[str, ...]
+    predicted_digests: tuple[bytes, ...] = field(repr=False)
+
+
 SmallState = Union[SchedulerStep, RngAdvance, SamplerCursor, CustomState]
 Body = Union[
     RunStarted,
@@ -143,6 +168,7 @@ Body = Union[
     SnapshotBegin,
     SnapshotEnd,
     CustomState,
+    OptimizerStep,
 ]
 
 BODY_TYPES: dict[str, type[Any]] = {
@@ -158,6 +184,7 @@ BODY_TYPES: dict[str, type[Any]] = {
         SnapshotBegin,
         SnapshotEnd,
         CustomState,
+        OptimizerStep,
     )
 }
 SMALL_STATE_TYPES = (SchedulerStep, RngAdvance, SamplerCursor, CustomState)

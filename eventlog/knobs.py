@@ -25,6 +25,9 @@ SHARDS = _int("SHARDS", 2)
 #: Records fetched per read call while folding a partition (16 x 4 MiB chunks: a fold
 #: that stops at its target version reads little past it).
 READ_BATCH = _int("READ_BATCH", 16)
+#: Most optimizer steps a version may hold and still be encoded predictively (each step logs
+#: its gradients, ~0.28 of the fp32 Adam state; beyond two, XOR deltas are smaller).
+PREDICT_MAX_STEPS = _int("PREDICT_MAX_STEPS", 2)
 #: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
 MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
 #: Upper bound on one msgpack small state (bytes).

@@ -14,24 +14,36 @@ def assign_shards(
     tensors: Mapping[str, tuple[str, tuple[int, ...]]],
     shards: int,
     previous: Sequence[TensorSpec] = (),
+    owners: Mapping[str, str] | None = None,
 ) -> tuple[TensorSpec, ...]:
     """Assign ``{name: (dtype, shape)}`` to ``shards`` shards, balancing bytes.
 
     Tensors already in ``previous`` keep their shard, so a layout that grows (an optimizer
-    whose state appears at its first step) never moves a tensor between partitions. New
-    tensors go, largest first, to the lightest shard.
+    whose state appears at its first step) never moves a tensor between partitions.
+    ``owners`` maps a tensor to the tensor it must live with (an optimizer state to its
+    param, so a shard can replay the optimizer step alone); a new tensor joins its owner's
+    shard. The other new tensors go, largest group first, to the lightest shard.
     """
+    owners = owners or {}
     kept = {s.name: s.shard for s in previous if s.name in tensors}
     load = [0] * shards
     for name, shard in kept.items():
         load[shard] += nbytes_of(*tensors[name])
-    new = sorted(
-        (n for n in tensors if n not in kept), key=lambda n: (-nbytes_of(*tensors[n]), n)
-    )
-    for name in new:
-        shard = min(range(shards), key=lambda s: (load[s], s))
-        kept[name] = shard
-        load[shard] += nbytes_of(*tensors[name])
+    groups: dict[str, list[str]] = {}
+    for name in tensors:
+        if name not in kept:
+            groups.setdefault(owners.get(name, name), []).append(name)
+
+    def size(group: list[str]) -> int:
+        return sum(nbytes_of(*tensors[n]) for n in group)
+
+    for owner, members in sorted(groups.items(), key=lambda g: (-size(g[1]), g[0])):
+        shard = kept.get(owner)
+        if shard is None:
+            shard = min(range(shards), key=lambda s: (load[s], s))
+        for name in members:
+            kept[name] = shard
+        load[shard] += size(members)
     return tuple(
         TensorSpec(name=n, dtype=tensors[n][0], shape=tuple(tensors[n][1]), shard=kept[n])
         for n in sorted(tensors)

@@ -2,13 +2,17 @@
 
 On the training thread, ``commit()`` only copies the state out (tensor bits into staging
 buffers, small states into msgpack) and queues it; a bounded queue gives backpressure.
-A committer thread encodes the tensors in parallel (XOR delta codec), allocates gsns,
-takes the version CAS and writes the version's events in one log transaction, sealed by
-``CommitSealed``.
+A committer thread encodes the tensors in parallel, allocates gsns, takes the version CAS
+and writes the version's events in one log transaction, sealed by ``CommitSealed``.
+
+Two codecs: when the version is one or two supported optimizer steps after the previous
+one, the *predictive* codec (``predictive``) logs the steps' gradients and only the residual
+of the replayed step; otherwise tensors are XOR deltas of the previous version's bits.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 
 from . import crypto, knobs, serde, statecodec, tensorcodec
+from . import predictive as predictive_codec
 from .backends import RunAddress
 from .capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
 from .digests import shard_digest, small_digest, state_digest, tensor_digest
@@ -42,10 +47,12 @@ from .events import (
     RunStarted,
     SamplerCursor,
     SchedulerStep,
+    TensorDelta,
     TensorSpec,
 )
 from .fold import RebuiltState, Target, index_control, rebuild
 from .layout import assign_shards, config_digest
+from .optimstep import CapturedStep, StepCapture
 from .ports import CONTROL, Coordinator, EventLog
 
 REWIND_VERSION = "0.1.0"
@@ -68,6 +75,12 @@ class CommitResult:
     raw_bytes: int
     encoded_bytes: int
     seconds: float
+    #: The codec of the version, and why (``CommitSealed.encoding``).
+    encoding: str = ""
+    #: Bytes of residual (predictive) or delta chunks, without gradients.
+    residual_bytes: int = 0
+    #: Seconds the committer spent encoding (predicting, compressing, hashing), not writing.
+    encode_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -98,6 +111,7 @@ class _Job:
     small: dict[str, bytes]
     future: Future[CommitResult]
     flush_only: bool = False
+    steps: list[CapturedStep] = field(default_factory=list)
 
 
 class Recorder:
@@ -123,6 +137,7 @@ class Recorder:
         max_inflight: int = knobs.MAX_INFLIGHT,
         chunk_bytes: int = knobs.CHUNK_BYTES,
         restorer: Restorer | None = None,
+        predictive: bool = True,
     ) -> None:
         self.address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
         self.run_id = self.address.run_id
@@ -145,6 +160,11 @@ class Recorder:
         self._shards = shards
         self._chunk_bytes = chunk_bytes
         self._restorer = restorer
+        # The predictive codec watches the optimizer's steps through a pre-hook.
+        self._plan: predictive_codec.StepPlan | str = (
+            predictive_codec.StepPlan.of(model, optimizer) if predictive else "the predictive codec is off"
+        )
+        self._steps = StepCapture(optimizer) if isinstance(self._plan, predictive_codec.StepPlan) else None  # type: ignore[arg-type]
         self.writer_id = writer_id or f"{self.run_id}.trainer"
         # Events name the writer and this process's session: a new session after the same
         # writer id marks a recovery in the run's history.
@@ -209,7 +229,7 @@ class Recorder:
             if name not in tensors:
                 del staged[name]
         job = _Job(step, {k: float(v) for k, v in (metrics or {}).items()}, base_version,
-                   staged, layout, small, Future())
+                   staged, layout, small, Future(), steps=self._steps.take() if self._steps else [])
         self._jobs.put(job)
         if wait:
             job.future.result()
@@ -238,6 +258,8 @@ class Recorder:
             self._coord.reset_version(self.run_id, 0)
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
         load_into(self._objects, state)
+        if self._steps is not None:
+            self._steps.take()  # steps taken before the restore led to another state
         # The restored state becomes the XOR base of the next commit.
         self._prev = {n: t.bits.copy() for s in state.shards for n, t in s.tensors.items()}
         self._prev_chunks = {}
@@ -264,6 +286,8 @@ class Recorder:
         self._closed = True
         self._jobs.put(None)
         self._committer.join()
+        if self._steps is not None:
+            self._steps.close()
         self._pool.shutdown()
         self._writer.close()
         self._log.close()
@@ -322,9 +346,18 @@ class Recorder:
         specs = self._specs
         relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != job.layout
         if relayout:
-            specs = assign_shards(job.layout, self._shards, specs)
+            owners = self._plan.owners(list(job.layout)) if isinstance(self._plan, predictive_codec.StepPlan) else {}
+            specs = assign_shards(job.layout, self._shards, specs, owners)
         spec_of = {s.name: s for s in specs}
-        encoded, chunk_digests = self._encode(job, spec_of)
+        t_encode = time.perf_counter()
+        why_not = predictive_codec.check(self._plan, job.steps, spec_of, self._prev, relayout, self._version)
+        prediction = None
+        if why_not is None:
+            assert isinstance(self._plan, predictive_codec.StepPlan)
+            prediction = predictive_codec.predict(self._plan, job.steps, spec_of, self._prev, self._pool,
+                                            self._chunk_bytes)
+        encoded, chunk_digests = self._encode(job, spec_of, prediction.predicted if prediction else set())
+        encode_seconds = time.perf_counter() - t_encode
 
         tensor_digests: list[dict[str, bytes]] = [{} for _ in range(self._shards)]
         for s in specs:
@@ -332,14 +365,14 @@ class Recorder:
         shard_digests = tuple(shard_digest(d) for d in tensor_digests)
         small_dig = small_digest(job.small)
 
-        bodies: list[tuple[int, Body]] = []
+        bodies: list[tuple[int, Body]] = list(prediction.bodies) if prediction else []
         for name, chunks in encoded.items():
             s = spec_of[name]
             bodies.extend((s.shard, c.to_delta(name, s.dtype, s.shape)) for c in chunks)
         shard_counts = [0] * self._shards
         for shard, _ in bodies:
             shard_counts[shard] += 1
-        bodies.sort(key=lambda b: b[0])
+        bodies.sort(key=lambda b: b[0])  # stable: a shard's gradients and steps stay first
         control: list[Body] = []
         if relayout:
             control.append(RunStarted(
@@ -352,10 +385,16 @@ class Recorder:
         if job.metrics:
             control.append(Metrics(job.metrics))
         raw = sum(len(b) for b in job.staged.values())
-        enc = sum(len(c.payload) for cs in encoded.values() for c in cs)
+        residual = sum(len(c.payload) for cs in encoded.values() for c in cs)
+        enc = residual + (prediction.grad_bytes if prediction else 0)
+        if prediction:
+            codec = (f"predictive/{self._plan.optimizer} x{prediction.steps} "  # type: ignore[union-attr]
+                     "+ residual/blosc2-zstd")
+        else:
+            codec = f"xor-delta/blosc2-zstd (not predictive: {why_not})"
         control.append(CommitSealed(
             base, tuple(shard_counts), len(control), shard_digests, small_dig,
-            state_digest(shard_digests, small_dig), "xor-delta/blosc2-zstd", raw, enc))
+            state_digest(shard_digests, small_dig), codec, raw, enc))
 
         self._log.create(self._shards)
         self._claim_version(base, version)
@@ -392,7 +431,8 @@ class Recorder:
         self._spare.put(old)
         self._specs, self._small = specs, dict(job.small)
         self._version, self._last_gsn = version, first + count - 1
-        return CommitResult(version, job.step, count, raw, enc, time.perf_counter() - t0)
+        return CommitResult(version, job.step, count, raw, enc, time.perf_counter() - t0, codec, residual,
+                            encode_seconds)
 
     def _claim_version(self, base: int, version: int) -> None:
         """The version CAS; if the coordinator lost its state (Redis flushed or restarted
@@ -408,9 +448,12 @@ class Recorder:
             self._coord.compare_and_set_version(self.run_id, base, version)
 
     def _encode(
-        self, job: _Job, spec_of: Mapping[str, TensorSpec]
+        self, job: _Job, spec_of: Mapping[str, TensorSpec], predicted: set[str]
     ) -> tuple[dict[str, list[tensorcodec.EncodedChunk]], dict[str, list[bytes]]]:
-        """Encode every chunk of every tensor in parallel; returns chunks and chunk digests."""
+        """Encode every chunk of every tensor in parallel; returns chunks and chunk digests.
+
+        Tensors in ``predicted`` are encoded against the prediction (now in ``self._prev``):
+        their chunks are residuals, and an unchanged chunk is one the prediction got right."""
         tasks = []
         old_specs = {s.name: (s.dtype, tuple(s.shape)) for s in self._specs}
         for name, new in job.staged.items():
@@ -429,11 +472,13 @@ class Recorder:
         for name, i, fut in tasks:
             chunk = fut.result()
             if chunk is None:
-                old = self._prev_chunks.get(name)
+                old = None if name in predicted else self._prev_chunks.get(name)
                 digests[name].append(
                     old[i] if old else tensorcodec.digest(self._chunk_of(job.staged[name], i))
                 )
             else:
+                if name in predicted and chunk.encoding == TensorDelta.XOR:
+                    chunk = dataclasses.replace(chunk, encoding=TensorDelta.RESIDUAL)
                 encoded[name].append(chunk)
                 digests[name].append(chunk.digest)
         return encoded, digests

@@ -200,6 +200,12 @@ def encode_tensor(
     return out
 
 
+#: Encodings whose payload is the bits themselves, and those XORed onto the target (a
+#: residual is XORed onto the bits the replayed optimizer step predicted).
+_BITS = (TensorDelta.FULL, TensorDelta.GRAD)
+_XORED = (TensorDelta.XOR, TensorDelta.RESIDUAL)
+
+
 def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
     """Apply one chunk to a tensor's raw bits in place, after validating every field.
 
@@ -212,7 +218,7 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
             f"{where}: chunk {delta.chunk_index}/{delta.chunk_count} range "
             f"[{off}, {off + n}) is not a chunk of tensor {delta.name!r} of {total} bytes"
         )
-    if delta.encoding not in (TensorDelta.FULL, TensorDelta.XOR):
+    if delta.encoding not in _BITS and delta.encoding not in _XORED:
         raise CorruptMessageError(f"{where}: unknown encoding {delta.encoding!r}")
     if delta.compression == "none":
         if len(delta.payload) != n:
@@ -223,7 +229,7 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
     else:
         raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
     target = bits[off : off + n]
-    if delta.encoding == TensorDelta.FULL:
+    if delta.encoding in _BITS:
         got = digest(plain)
         if got != delta.digest:
             raise _digest_error(delta, got, where)

@@ -16,7 +16,7 @@ from typing import Any
 import fastavro.schema
 
 #: The schema version new events are written with.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: Files in dependency order: a type is defined before any type that names it.
 _FILES = (
@@ -31,6 +31,7 @@ _FILES = (
     "SnapshotBegin",
     "SnapshotEnd",
     "CustomState",
+    "OptimizerStep",  # v3
     "Envelope",
 )
 
@@ -50,7 +51,8 @@ class EventSchema:
 def schema_files(version: int = SCHEMA_VERSION) -> list[Path]:
     """The ``.avsc`` files of one schema version, definitions before their uses."""
     folder = SCHEMA_DIR / f"v{version}"
-    return [folder / f"{name}.avsc" for name in _FILES]
+    # A type added in a later version has no file in the older folders.
+    return [folder / f"{name}.avsc" for name in _FILES if (folder / f"{name}.avsc").exists()]
 
 
 def available_versions() -> list[int]:

@@ -99,6 +99,10 @@ def test_twenty_random_kills_then_resume_is_bit_exact(backend: str, tmp_path: Pa
         idx = index_control(log)
         assert sorted(idx.seals) == list(range(1, UPDATES + 1))
         assert [idx.seals[v].step for v in sorted(idx.seals)] == list(range(UPDATES))
+        # PPO's two Adam steps per update are logged as gradients (predictive codec) from
+        # version 2 on, across every restart; version 1 writes the whole state.
+        codecs = [idx.seals[v].seal.encoding.split(" + ")[0] for v in sorted(idx.seals)]
+        assert codecs[1:] == ["predictive/Adam x2"] * (UPDATES - 1), codecs
         state = rebuild(log, Target())
     assert state.counts.skipped_duplicate == 0 and state.counts.skipped_unsealed == 0
     assert state.version == UPDATES

@@ -113,6 +113,10 @@ def test_time_travel_to_every_tenth_step_is_exact(tmp_path: Path) -> None:
         live[row["step"]] = row["digest"]
     address = RunAddress.from_run_dir(run_dir)
     config = PPOConfig(updates=updates, rollout_steps=64, epochs=2)
+    with address.open_log() as log:
+        seals = index_control(log).seals
+    # Two Adam steps per update: every version after the first is predictive.
+    assert sum(s.seal.encoding.startswith("predictive/Adam x2") for s in seals.values()) == updates - 1
     for step in range(0, updates, 10):
         state, report = replay(address, Target("step", step))
         assert report.step == step

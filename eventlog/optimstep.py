@@ -1,0 +1,176 @@
+"""The optimizer step that predictive versions replay.
+
+A predictive version logs the *command* of a weight commit (the gradients each
+``optimizer.step()`` consumed, and that step's hyperparameters) instead of the resulting
+bits. ``run_step`` is the one function that turns a command into state: the recorder runs
+it on the previous version's bits to predict the new ones (and logs only the residual,
+actual XOR predicted), and every fold runs it to replay the version. Both sides import
+this module, so the prediction can never drift between two copies of the math.
+
+It runs torch's own optimizer classes (not a re-implementation) on a throwaway instance
+whose params and state are views of the caller's buffers: the result is what torch's step
+computes, updated in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import statecodec, tensorcodec
+from .errors import ConfigError, DecodeError
+
+#: The optimizers whose step is replayed; any other (subclasses included, since they may
+#: override ``step``) is recorded as XOR deltas.
+SUPPORTED: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.Adam: "Adam",
+    torch.optim.AdamW: "AdamW",
+    torch.optim.SGD: "SGD",
+}
+_BY_NAME = {name: cls for cls, name in SUPPORTED.items()}
+_MAX_GROUPS = 4096
+
+
+def supported(optimizer: object) -> str | None:
+    """The replayable name of ``optimizer``'s class, or ``None``."""
+    return SUPPORTED.get(type(optimizer))  # type: ignore[arg-type]
+
+
+def hyperparams_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group's hyperparameters now (lr, betas, eps, ...), detached copies."""
+    return [
+        {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v)
+         for k, v in group.items() if k != "params"}
+        for group in optimizer.param_groups
+    ]
+
+
+def pack_hyperparams(groups: Sequence[Mapping[str, Any]]) -> bytes:
+    """The ``OptimizerStep.hyperparams`` bytes (strict msgpack, tuples kept)."""
+    return statecodec.pack([dict(g) for g in groups])
+
+
+def unpack_hyperparams(data: bytes, where: str) -> list[dict[str, Any]]:
+    """Decode and check ``OptimizerStep.hyperparams``: a list of string-keyed dicts."""
+    groups = statecodec.unpack(data, f"{where}: optimizer hyperparameters")
+    if not isinstance(groups, list) or not 0 < len(groups) <= _MAX_GROUPS or not all(
+        isinstance(g, dict) and all(isinstance(k, str) for k in g) and "lr" in g for g in groups
+    ):
+        raise DecodeError(f"{where}: optimizer hyperparameters are not a list of param groups")
+    return groups
+
+
+def tensor_view(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A tensor over a uint8 buffer (shared memory: the step's writes land in ``bits``)."""
+    if bits.size == 0:
+        return torch.empty(shape, dtype=tensorcodec.torch_dtype(dtype))
+    return torch.from_numpy(bits).view(tensorcodec.torch_dtype(dtype)).reshape(shape)
+
+
+def run_step(
+    optimizer: str,
+    hyperparams: Sequence[Mapping[str, Any]],
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[dict[str, torch.Tensor]],
+    groups: Sequence[int],
+) -> None:
+    """Run one ``optimizer.step()`` in place on ``params`` and their ``states``.
+
+    ``params[i]`` is updated with gradient ``grads[i]`` under the hyperparameters of param
+    group ``groups[i]``; ``states[i]`` is its optimizer state by key (``exp_avg``,
+    ``step``, ``momentum_buffer``, ...), updated in place too.
+    """
+    cls = _BY_NAME.get(optimizer)
+    if cls is None:
+        raise ConfigError(f"optimizer {optimizer!r} cannot be replayed (supported: {', '.join(_BY_NAME)})")
+    members: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        if not 0 <= g < len(hyperparams):
+            raise DecodeError(f"param {i} names group {g}, but the step has {len(hyperparams)}")
+        members.setdefault(g, []).append(i)
+    param_groups = [{**hyperparams[g], "params": [params[i] for i in idx]} for g, idx in sorted(members.items())]
+    replica = cls(param_groups, lr=param_groups[0]["lr"])
+    for p, g, state in zip(params, grads, states, strict=True):
+        p.grad = g
+        replica.state[p] = dict(state)
+    try:
+        replica.step()
+    finally:
+        for p in params:
+            p.grad = None
+    for p, state in zip(params, states, strict=True):
+        for key, new in replica.state[p].items():
+            old = state.get(key)
+            # A step that replaces a state tensor instead of updating it (SGD's first momentum
+            # buffer) must still land in the caller's buffer.
+            if isinstance(old, torch.Tensor) and new is not old:
+                old.copy_(new)
+
+
+@dataclass
+class CapturedStep:
+    """What one ``optimizer.step()`` consumed: gradient references and hyperparameters."""
+
+    grads: dict[int, torch.Tensor]  # optimizer param index -> the gradient tensor
+    versions: dict[int, int]  # its in-place version counter at the step
+    groups: dict[int, int]  # optimizer param index -> its param group
+    hyperparams: list[dict[str, Any]]
+
+
+@dataclass
+class StepCapture:
+    """Records, through a step pre-hook, what each ``optimizer.step()`` consumes.
+
+    The hook runs inside ``step()``, after clipping and unscaling, and only keeps references
+    (no copy on the training thread): ``zero_grad(set_to_none=True)`` leaves the referenced
+    gradients untouched. A gradient changed in place later is detected by its version
+    counter, and even a missed change only costs residual bytes, never exactness.
+    """
+
+    optimizer: torch.optim.Optimizer
+    steps: list[CapturedStep] = field(default_factory=list)
+    _handle: Any = None
+
+    def __post_init__(self) -> None:
+        self._handle = self.optimizer.register_step_pre_hook(self._hook)
+
+    def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        grads: dict[int, torch.Tensor] = {}
+        groups: dict[int, int] = {}
+        i = 0
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p.grad is not None:
+                    grads[i], groups[i] = p.grad, g
+                i += 1
+        self.steps.append(CapturedStep(grads, {i: t._version for i, t in grads.items()}, groups,
+                                       hyperparams_of(optimizer)))
+
+    def take(self) -> list[CapturedStep]:
+        """The steps since the last ``take()``."""
+        steps, self.steps = self.steps, []
+        return steps
+
+    def close(self) -> None:
+        """Remove the hook."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str] | str:
+    """The log name of each optimizer param (in ``state_dict`` index order), or why not."""
+    by_id = {id(p): f"model/{n}" for n, p in model.named_parameters()}
+    names = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = by_id.get(id(p))
+            if name is None:
+                return "an optimizer param is not a parameter of the recorded model"
+            names.append(name)
+    return names

@@ -1,0 +1,208 @@
+"""The recorder's side of the predictive codec: log the optimizer step, not its result.
+
+For a version that is a few ``optimizer.step()`` calls after the previous one, the recorder
+logs each step's gradients (``GRAD`` chunks) and hyperparameters (``OptimizerStep``), runs
+the same step (``optimstep.run_step``) on the previous version's bits to predict the new
+ones, and leaves the caller to log only ``actual XOR predicted`` (``RESIDUAL`` chunks),
+which is almost always all zeros and then costs nothing. Anything the prediction cannot
+cover falls back to XOR deltas, and the seal says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Executor, Future
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import knobs, optimstep, tensorcodec
+from .events import OptimizerStep, TensorDelta, TensorSpec
+from .optimstep import CapturedStep, tensor_view
+
+STATE_PREFIX = "optimizer/state"
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a recorder's optimizer maps onto its log tensors (fixed for the recorder's life)."""
+
+    optimizer: str  # the replayable class name
+    params: tuple[str, ...]  # log name of each optimizer param, by state_dict index
+
+    @staticmethod
+    def of(model: torch.nn.Module | None, optimizer: object) -> StepPlan | str:
+        """The plan for this model and optimizer, or the reason there is none."""
+        if optimizer is None or model is None:
+            return "no model and optimizer to predict"
+        name = optimstep.supported(optimizer)
+        if name is None:
+            return f"optimizer {type(optimizer).__name__} is not replayable (supported: Adam, AdamW, SGD)"
+        names = optimstep.param_names(model, optimizer)  # type: ignore[arg-type]
+        if isinstance(names, str):
+            return names
+        return StepPlan(name, tuple(names))
+
+    def owners(self, tensors: Sequence[str]) -> dict[str, str]:
+        """Each optimizer state tensor's param: the layout keeps them on one shard."""
+        out = {}
+        for name in tensors:
+            index = _state_index(name)
+            if index is not None and index < len(self.params):
+                out[name] = self.params[index]
+        return out
+
+
+def _state_index(name: str) -> int | None:
+    parts = name.split("/")
+    if len(parts) == 4 and f"{parts[0]}/{parts[1]}" == STATE_PREFIX and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def state_tensors(specs: Mapping[str, TensorSpec], index: int) -> dict[str, str]:
+    """``{state key: log name}`` of optimizer param ``index`` in a layout."""
+    prefix = f"{STATE_PREFIX}/{index}/"
+    return {n[len(prefix):]: n for n in specs if n.startswith(prefix) and "/" not in n[len(prefix):]}
+
+
+@dataclass
+class Prediction:
+    """A version's predictive part: the events before its residuals, per shard."""
+
+    bodies: list[tuple[int, TensorDelta | OptimizerStep]]
+    predicted: set[str]  # tensors whose previous bits now hold the prediction
+    steps: int
+    grad_bytes: int
+
+
+def check(
+    plan: StepPlan | str,
+    steps: Sequence[CapturedStep],
+    spec_of: Mapping[str, TensorSpec],
+    prev: Mapping[str, np.ndarray],
+    relayout: bool,
+    version: int,
+) -> str | None:
+    """Why this version cannot be encoded predictively, or ``None`` if it can."""
+    if isinstance(plan, str):
+        return plan
+    if not steps:
+        return "no optimizer step since the last commit"
+    if len(steps) > knobs.PREDICT_MAX_STEPS:
+        return (f"{len(steps)} optimizer steps since the last commit (predictive up to "
+                f"{knobs.PREDICT_MAX_STEPS}: more gradients cost more than a delta)")
+    if version == 0 or relayout:
+        return "the layout changed (first commit, or new optimizer state)"
+    for step in steps:
+        for i, g in step.grads.items():
+            if g._version != step.versions[i]:
+                return "a gradient was changed in place after optimizer.step()"
+            if i >= len(plan.params):
+                return "the optimizer gained params after the recorder started"
+            name = plan.params[i]
+            spec = spec_of.get(name)
+            if spec is None or name not in prev:
+                return f"param {name} has no previous bits"
+            if (tensorcodec.dtype_name(g.dtype), tuple(g.shape)) != (spec.dtype, tuple(spec.shape)):
+                return f"the gradient of {name} does not match the param's dtype and shape"
+            states = state_tensors(spec_of, i)
+            if not states:
+                return f"param {name} has no optimizer state yet"
+            for key, sname in states.items():
+                if spec_of[sname].shard != spec.shard or sname not in prev:
+                    return f"param {name} and its optimizer state {key} are on different shards"
+    return None
+
+
+def predict(
+    plan: StepPlan,
+    steps: Sequence[CapturedStep],
+    spec_of: Mapping[str, TensorSpec],
+    prev: Mapping[str, np.ndarray],
+    pool: Executor,
+    chunk_bytes: int,
+) -> Prediction:
+    """Encode the steps' gradients and run the steps on ``prev`` in place (the prediction).
+
+    Gradients are copied once, off the training thread; the logged bits and the bits the
+    prediction uses are the same copy, so recorder and replayer compute the same thing.
+    """
+    grads: list[dict[int, np.ndarray]] = []
+    for step in steps:
+        frozen = {}
+        for i, g in step.grads.items():
+            bits = tensorcodec.tensor_bits(g)
+            buf = torch.empty(len(bits), dtype=torch.uint8).numpy()
+            np.copyto(buf, bits)
+            frozen[i] = buf
+        grads.append(frozen)
+    shards = sorted({spec_of[plan.params[i]].shard for step in steps for i in step.grads})
+    grad_jobs: list[tuple[int, int, str, list[Future[tensorcodec.EncodedChunk | None]]]] = []
+    for k, frozen in enumerate(grads):
+        for i, bits in frozen.items():
+            spec = spec_of[plan.params[i]]
+            size = tensorcodec.itemsize(spec.dtype)
+            ranges = tensorcodec.chunk_ranges(len(bits), chunk_bytes)
+            grad_jobs.append((k, spec.shard, spec.name, [
+                pool.submit(tensorcodec.encode_chunk, bits[off:off + n], None, typesize=size,
+                            base_version=-1, index=j, count=len(ranges), offset=off)
+                for j, (off, n) in enumerate(ranges)]))
+    runs = {s: pool.submit(_predict_shard, plan, steps, grads, spec_of, prev, s) for s in shards}
+    step_bodies = {s: fut.result() for s, fut in runs.items()}
+
+    bodies: list[tuple[int, TensorDelta | OptimizerStep]] = []
+    grad_bytes = 0
+    for shard in shards:
+        for k in range(len(steps)):
+            for kk, s, name, futs in grad_jobs:
+                if kk != k or s != shard:
+                    continue
+                spec = spec_of[name]
+                for fut in futs:
+                    chunk = fut.result()
+                    assert chunk is not None  # a chunk without a base is always written
+                    grad_bytes += len(chunk.payload)
+                    chunk = dataclasses.replace(chunk, encoding=TensorDelta.GRAD)
+                    bodies.append((shard, chunk.to_delta(name, spec.dtype, tuple(spec.shape))))
+            bodies.append((shard, step_bodies[shard][k]))
+    predicted = {n for bs in step_bodies.values() for b in bs for n in b.predicted}
+    return Prediction(bodies, predicted, len(steps), grad_bytes)
+
+
+def _predict_shard(
+    plan: StepPlan,
+    steps: Sequence[CapturedStep],
+    grads: Sequence[Mapping[int, np.ndarray]],
+    spec_of: Mapping[str, TensorSpec],
+    prev: Mapping[str, np.ndarray],
+    shard: int,
+) -> list[OptimizerStep]:
+    """Run one shard's share of every step on ``prev``; one ``OptimizerStep`` per step."""
+    out = []
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for k, step in enumerate(steps):
+        names, groups, prefixes, params, gviews, states = [], [], [], [], [], []
+        written: list[str] = []
+        for i in sorted(step.grads):
+            spec = spec_of[plan.params[i]]
+            if spec.shard != shard:
+                continue
+            names.append(spec.name)
+            groups.append(step.groups[i])
+            prefixes.append(f"{STATE_PREFIX}/{i}")
+            params.append(tensor_view(prev[spec.name], spec.dtype, tuple(spec.shape)))
+            gviews.append(tensor_view(grads[k][i], spec.dtype, tuple(spec.shape)))
+            st = state_tensors(spec_of, i)
+            states.append({key: tensor_view(prev[n], spec_of[n].dtype, tuple(spec_of[n].shape))
+                           for key, n in st.items()})
+            written += [spec.name, *sorted(st.values())]
+        optimstep.run_step(plan.optimizer, step.hyperparams, params, gviews, states, groups)
+        out.append(OptimizerStep(
+            plan.optimizer, k, len(steps), torch.__version__, device,
+            optimstep.pack_hyperparams(step.hyperparams), tuple(names), tuple(groups),
+            tuple(prefixes), tuple(written), tuple(tensorcodec.digest(prev[n]) for n in written)))
+    return out
+
