@@ -9,6 +9,7 @@ are kept in ``tests/data/fuzz/`` and replayed first.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -20,10 +21,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from eventlog import RewindError, serde, statecodec, tensorcodec
+from eventlog import RewindError, optimstep, serde, statecodec, tensorcodec
+from eventlog.apply import ShardState
 from eventlog.events import (
-    CommitSealed, CustomState, Envelope, Metrics, RngAdvance, RunStarted, SamplerCursor,
-    SchedulerStep, SnapshotBegin, SnapshotEnd, TensorDelta, TensorSpec,
+    CommitSealed, CustomState, Envelope, Metrics, OptimizerStep, RngAdvance, RunStarted,
+    SamplerCursor, SchedulerStep, SnapshotBegin, SnapshotEnd, TensorDelta, TensorSpec,
 )
 from snapshotter.store import FORMAT, FileEntry, Manifest, SnapshotCorruptError
 
@@ -35,6 +37,12 @@ REGRESSIONS = Path(__file__).resolve().parent / "data" / "fuzz"
 _TENSOR = np.arange(64, dtype=np.float32) * 0.37
 _BITS = _TENSOR.view(np.uint8)
 _CHUNKS = tensorcodec.encode_tensor(_BITS, None, typesize=4, base_version=-1, chunk_bytes=128)
+
+
+_HYPER = optimstep.pack_hyperparams([{"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8,
+                                      "weight_decay": 0.0, "amsgrad": False, "maximize": False,
+                                      "foreach": None, "capturable": False,
+                                      "differentiable": False, "fused": None}])
 
 
 def _delta(c: tensorcodec.EncodedChunk) -> TensorDelta:
@@ -53,6 +61,8 @@ def _samples() -> list[Envelope]:
         SnapshotBegin("v1-t1", 99, 1),
         SnapshotEnd("v1-t1", (3, 4, 5), (6, 7, 8), b"m" * 16, "file:///x", 1),
         CustomState("env", statecodec.pack({"obs": np.zeros(4, np.float32)})),
+        OptimizerStep("Adam", 0, 1, "2.4", "cpu", _HYPER, ("w",), (0,), ("optimizer/state/0",),
+                      ("w",), (b"e" * 16,)),
     ]
     return [Envelope("run", 7 + i, 3, 2, -1, "w#s", 1000, b) for i, b in enumerate(bodies)]
 
@@ -225,3 +235,51 @@ def test_fuzz_small_state_loader(data: bytes) -> None:
         return
     if data in STATES:
         assert statecodec.pack(value) == data
+
+
+# ----------------------------------------------------------------------------- optimizer steps
+_FIELDS = st.fixed_dictionaries({
+    "optimizer": st.sampled_from(["Adam", "AdamW", "SGD", "Adagrad", ""]),
+    "hyperparams": st.one_of(damaged([_HYPER]), st.builds(lambda d: statecodec.pack([d]),
+                             st.dictionaries(st.sampled_from(["lr", "betas", "eps", "momentum", "foreach",
+                                                              "fused", "capturable", "nesterov", "params"]),
+                                             _JSON, max_size=6))),
+    "params": st.lists(st.sampled_from(["w", "v", "optimizer/state/0/exp_avg", ""]), max_size=3),
+    "groups": st.lists(_INTS, max_size=3),
+    "states": st.lists(st.sampled_from(["optimizer/state/0", "optimizer/state", "w", ""]), max_size=3),
+})
+
+
+def _shard_with_gradient() -> ShardState:
+    """A shard holding param ``w``, its Adam state and a complete gradient for it."""
+    shard = ShardState(0)
+    gsn = iter(range(1, 1000))
+    for name, value in (("w", _TENSOR), ("optimizer/state/0/exp_avg", _TENSOR * 0.1),
+                        ("optimizer/state/0/exp_avg_sq", _TENSOR * _TENSOR),
+                        ("optimizer/state/0/step", np.array([3.0], np.float32))):
+        bits = value.astype(np.float32).view(np.uint8).copy()
+        shape = () if name.endswith("step") else (64,)
+        for c in tensorcodec.encode_tensor(bits, None, typesize=4, base_version=-1, chunk_bytes=256):
+            shard.apply(Envelope("run", next(gsn), 1, 0, 0, "w#s", 0,
+                                 c.to_delta(name, "float32", shape)), {1}, 0, "fuzz")
+    for c in _CHUNKS:
+        grad = dataclasses.replace(c, encoding=TensorDelta.GRAD)
+        shard.apply(Envelope("run", next(gsn), 2, 1, 0, "w#s", 0,
+                             grad.to_delta("w", "float32", (64,))), {2}, 0, "fuzz")
+    assert shard.counts.applied == gsn.__next__() - 1 and len(shard.tensors) == 4
+    return shard
+
+
+@settings(FUZZ, max_examples=max(1, EXAMPLES // 5))
+@given(_FIELDS)
+def test_fuzz_optimizer_step_replay(fields: dict) -> None:
+    """A damaged ``OptimizerStep`` drives torch's optimizer code with recorded values: it
+    either replays, or fails with one of Rewind's errors, never another exception."""
+    n = len(fields["params"])
+    body = OptimizerStep(fields["optimizer"], 0, 1, "2.4", "cpu", fields["hyperparams"],
+                         tuple(fields["params"]), tuple(fields["groups"]), tuple(fields["states"]),
+                         ("w",) if n else (), (b"e" * 16,) if n else ())
+    try:
+        _shard_with_gradient().apply(Envelope("run", 2000, 2, 1, 0, "w#s", 0, body), {2}, 0, "fuzz")
+    except RewindError:
+        return
