@@ -133,6 +133,9 @@ class StepCapture:
     """
 
     optimizer: torch.optim.Optimizer
+    #: Steps per commit worth keeping gradients for; past it, every gradient reference is
+    #: dropped (the version will be XOR deltas), so many steps per commit never pin memory.
+    max_steps: int = 2
     steps: list[CapturedStep] = field(default_factory=list)
     _handle: Any = None
 
@@ -140,6 +143,11 @@ class StepCapture:
         self._handle = self.optimizer.register_step_pre_hook(self._hook)
 
     def _hook(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if len(self.steps) >= self.max_steps:
+            for step in self.steps:
+                step.grads.clear()
+            self.steps.append(CapturedStep({}, {}, {}, []))
+            return
         grads: dict[int, torch.Tensor] = {}
         groups: dict[int, int] = {}
         i = 0

@@ -164,7 +164,8 @@ class Recorder:
         self._plan: predictive_codec.StepPlan | str = (
             predictive_codec.StepPlan.of(model, optimizer) if predictive else "the predictive codec is off"
         )
-        self._steps = StepCapture(optimizer) if isinstance(self._plan, predictive_codec.StepPlan) else None  # type: ignore[arg-type]
+        self._steps = (StepCapture(optimizer, knobs.PREDICT_MAX_STEPS)  # type: ignore[arg-type]
+                       if isinstance(self._plan, predictive_codec.StepPlan) else None)
         self.writer_id = writer_id or f"{self.run_id}.trainer"
         # Events name the writer and this process's session: a new session after the same
         # writer id marks a recovery in the run's history.
