@@ -212,7 +212,7 @@ def fold_shard(
     version: int,
     gt_offset: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
-    settle_s: float = 5.0,
+    settle_s: float = knobs.SETTLE_S,
     since_version: int = 0,
 ) -> ShardState:
     """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.

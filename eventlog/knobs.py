@@ -28,6 +28,10 @@ READ_BATCH = _int("READ_BATCH", 16)
 #: Most optimizer steps a version may hold and still be encoded predictively (each step logs
 #: its gradients, ~0.28 of the fp32 Adam state; beyond two, XOR deltas are smaller).
 PREDICT_MAX_STEPS = _int("PREDICT_MAX_STEPS", 2)
+#: Seconds a fold keeps polling a shard whose sealed version is not all visible yet (the
+#: partitions of one Kafka transaction become readable a moment apart; on a loaded broker,
+#: a 4 MiB record was seen to take over 5 s). Only spent when records are missing.
+SETTLE_S = float(os.environ.get("REWIND_SETTLE_S") or 30.0)
 #: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
 MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
 #: Upper bound on one msgpack small state (bytes).
