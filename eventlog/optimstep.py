@@ -7,19 +7,24 @@ it on the previous version's bits to predict the new ones (and logs only the res
 actual XOR predicted), and every fold runs it to replay the version. Both sides import
 this module, so the prediction can never drift between two copies of the math.
 
-It runs torch's own optimizer classes (not a re-implementation) on a throwaway instance
-whose params and state are views of the caller's buffers: the result is what torch's step
-computes, updated in place.
+It runs torch's own functional optimizers (not a re-implementation) on views of the
+caller's buffers, with the arguments the optimizer classes' ``step`` passes: the result is
+what torch's step computes, updated in place.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.adamw import adamw as functional_adamw
+from torch.optim.sgd import sgd as functional_sgd
 
 from . import statecodec, tensorcodec
 from .errors import ConfigError, DecodeError
@@ -31,7 +36,6 @@ SUPPORTED: dict[type[torch.optim.Optimizer], str] = {
     torch.optim.AdamW: "AdamW",
     torch.optim.SGD: "SGD",
 }
-_BY_NAME = {name: cls for cls, name in SUPPORTED.items()}
 _MAX_GROUPS = 4096
 
 
@@ -84,32 +88,73 @@ def run_step(
     ``params[i]`` is updated with gradient ``grads[i]`` under the hyperparameters of param
     group ``groups[i]``; ``states[i]`` is its optimizer state by key (``exp_avg``,
     ``step``, ``momentum_buffer``, ...), updated in place too.
+
+    It calls torch's functional optimizers (``torch.optim.adam.adam``, ...) exactly as the
+    optimizer classes' ``step`` does for params whose state exists. Not an optimizer
+    instance: building one imports ``torch._dynamo`` (1.2 s), which a fresh replay process
+    would pay for nothing.
     """
-    cls = _BY_NAME.get(optimizer)
-    if cls is None:
-        raise ConfigError(f"optimizer {optimizer!r} cannot be replayed (supported: {', '.join(_BY_NAME)})")
+    step = _STEPS.get(optimizer)
+    if step is None:
+        raise ConfigError(f"optimizer {optimizer!r} cannot be replayed (supported: {', '.join(_STEPS)})")
     members: dict[int, list[int]] = {}
     for i, g in enumerate(groups):
         if not 0 <= g < len(hyperparams):
             raise DecodeError(f"param {i} names group {g}, but the step has {len(hyperparams)}")
         members.setdefault(g, []).append(i)
-    param_groups = [{**hyperparams[g], "params": [params[i] for i in idx]} for g, idx in sorted(members.items())]
-    replica = cls(param_groups, lr=param_groups[0]["lr"])
-    for p, g, state in zip(params, grads, states, strict=True):
-        p.grad = g
-        replica.state[p] = dict(state)
-    try:
-        replica.step()
-    finally:
-        for p in params:
-            p.grad = None
-    for p, state in zip(params, states, strict=True):
-        for key, new in replica.state[p].items():
-            old = state.get(key)
-            # A step that replaces a state tensor instead of updating it (SGD's first momentum
-            # buffer) must still land in the caller's buffer.
-            if isinstance(old, torch.Tensor) and new is not old:
-                old.copy_(new)
+    for g, idx in sorted(members.items()):
+        step(optimizer, hyperparams[g], [params[i] for i in idx], [grads[i] for i in idx],
+             [states[i] for i in idx])
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> None:
+    """``fn(*args, **kwargs)`` without the keywords this torch's ``fn`` does not take (a
+    hyperparameter newer than the replaying torch)."""
+    accepted = _accepted(fn)
+    fn(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+@functools.cache
+def _accepted(fn: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+def _adam_step(name: str, h: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+               states: list[dict[str, torch.Tensor]]) -> None:
+    """``Adam.step`` / ``AdamW.step`` for one param group whose state exists."""
+    beta1, beta2 = h["betas"]
+    amsgrad = bool(h.get("amsgrad", False))
+    # torch >= 2.6 writes AdamW as Adam with decoupled weight decay (a group key); before,
+    # AdamW had its own functional step.
+    old_adamw = name == "AdamW" and "decoupled_weight_decay" not in h
+    fn = functional_adamw if old_adamw else functional_adam
+    _call(fn, params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+          [s["max_exp_avg_sq"] for s in states] if amsgrad else [], [s["step"] for s in states],
+          amsgrad=amsgrad, has_complex=any(torch.is_complex(p) for p in params),
+          beta1=beta1, beta2=beta2, lr=h["lr"], weight_decay=h["weight_decay"], eps=h["eps"],
+          maximize=h.get("maximize", False), foreach=h.get("foreach"),
+          capturable=h.get("capturable", False), differentiable=h.get("differentiable", False),
+          fused=h.get("fused"), grad_scale=None, found_inf=None,
+          decoupled_weight_decay=h.get("decoupled_weight_decay", False))
+
+
+def _sgd_step(name: str, h: Mapping[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+              states: list[dict[str, torch.Tensor]]) -> None:
+    """``SGD.step`` for one param group whose momentum buffers (if any) exist."""
+    momentum = h["momentum"]
+    buffers: list[torch.Tensor | None] = [s.get("momentum_buffer") if momentum != 0 else None for s in states]
+    before = list(buffers)
+    _call(functional_sgd, params, grads, buffers, weight_decay=h["weight_decay"],
+          momentum=momentum, lr=h["lr"], dampening=h["dampening"], nesterov=h["nesterov"],
+          maximize=h.get("maximize", False), has_sparse_grad=False, foreach=h.get("foreach"),
+          fused=h.get("fused"), grad_scale=None, found_inf=None)
+    for old, new in zip(before, buffers, strict=True):
+        # A step that replaces a buffer instead of updating it must land in the caller's.
+        if old is not None and new is not None and new is not old:
+            old.copy_(new)
+
+
+_STEPS = {"Adam": _adam_step, "AdamW": _adam_step, "SGD": _sgd_step}
 
 
 @dataclass

@@ -109,7 +109,7 @@ def check(
             if (tensorcodec.dtype_name(g.dtype), tuple(g.shape)) != (spec.dtype, tuple(spec.shape)):
                 return f"the gradient of {name} does not match the param's dtype and shape"
             states = state_tensors(spec_of, i)
-            if not states:
+            if not states and plan.optimizer != "SGD":  # plain SGD keeps no state
                 return f"param {name} has no optimizer state yet"
             for key, sname in states.items():
                 if spec_of[sname].shard != spec.shard or sname not in prev:

@@ -355,8 +355,13 @@ class Recorder:
         prediction = None
         if why_not is None:
             assert isinstance(self._plan, predictive_codec.StepPlan)
-            prediction = predictive_codec.predict(self._plan, job.steps, spec_of, self._prev, self._pool,
-                                            self._chunk_bytes)
+            try:
+                prediction = predictive_codec.predict(self._plan, job.steps, spec_of, self._prev,
+                                                      self._pool, self._chunk_bytes)
+            except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
+                why_not = f"the {self._plan.optimizer} step could not be replayed ({exc})"
+                # It may have run part way on the previous bits: no delta against them, FULL.
+                self._prev, self._prev_chunks = {}, {}
         encoded, chunk_digests = self._encode(job, spec_of, prediction.predicted if prediction else set())
         encode_seconds = time.perf_counter() - t_encode
 
