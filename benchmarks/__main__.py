@@ -43,6 +43,10 @@ TARGETS = [
      "2 workers >= 1.6x faster than 1"),
     ("kafka_vs_producer_performance", "kafka_produce_mb_s", "ratio", ">=", 0.7,
      "kafka >= 0.7 x ProducerPerformance"),
+    ("predictive_bytes_ratio", "codec_compare", "predictive_bytes_per_commit_ratio", "<=", 0.35,
+     "predictive bytes/raw <= 0.35"),
+    ("predictive_encode_speedup", "codec_compare", "encode_speedup", ">=", 1.5,
+     "predictive encode >= 1.5x XOR"),
 ]
 
 
@@ -147,6 +151,18 @@ def table(results: dict[str, Any]) -> Table:
         t.add_row("kafka_produce_mb_s", f"{r['record_bytes']} B records, acks=all",
                   _f(r["rewind"], "MB/s"), _f(r.get("producer_performance"), "MB/s"),
                   _f(r.get("ratio"), "x", 2), *verdict("kafka_vs_producer_performance"))
+    if not skipped("codec_compare"):
+        r = results["codec_compare"]
+        what = f"{r['params'] / 1e6:.0f}M Adam, {r['steps']} steps"
+        t.add_row("codec_compare", f"bytes/commit predictive vs XOR ({what})",
+                  _f(r["predictive_bytes_per_commit_ratio"]), _f(r["xor_bytes_per_commit_ratio"]),
+                  _f(_div(r["predictive_bytes_per_commit_ratio"], r["xor_bytes_per_commit_ratio"]), "x", 2),
+                  *verdict("predictive_bytes_ratio"))
+        t.add_row("", "encode throughput predictive vs XOR", _f(r["predictive_encode_mb_s"], "MB/s"),
+                  _f(r["xor_encode_mb_s"], "MB/s"), _f(r["encode_speedup"], "x", 2),
+                  *verdict("predictive_encode_speedup"))
+        t.add_row("", "decode throughput predictive vs XOR", _f(r["predictive_decode_mb_s"], "MB/s"),
+                  _f(r["xor_decode_mb_s"], "MB/s"), _f(r["decode_speedup"], "x", 2), "", "")
     if not skipped("follower_sync_s"):
         r = results["follower_sync_s"]
         t.add_row("follower_sync_s", "one version / full sync", _f(r["incremental"], "s"),
@@ -169,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="versions committed after the FULL one (commit medians are over them)")
     ap.add_argument("--warmup-steps", type=int, default=100,
                     help="Adam steps before the first commit (the bytes target is after 100)")
+    ap.add_argument("--codec-steps", type=int, default=100,
+                    help="Adam steps of the predictive vs XOR comparison (default 100)")
     ap.add_argument("--only", help=f"comma-separated scenarios: {','.join(SCENARIOS)}")
     ap.add_argument("--kafka", help="Kafka bootstrap (host:port) or kafka:// URL")
     ap.add_argument("--redis", help="Redis URL for the Kafka run's coordinator")
@@ -195,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         params=params, repeats=max(1, repeats), versions=args.versions,
         warmup_steps=args.warmup_steps, workdir=args.workdir, keep=args.keep,
         kafka=args.kafka, redis=args.redis, kafka_home=args.kafka_home, only=only, log=log,
+        codec_steps=args.codec_steps,
     )
     t0 = time.perf_counter()
     results = run_all(cfg)

@@ -47,7 +47,10 @@ SCENARIOS = (
     "recovery_s",
     "kafka_produce_mb_s",
     "follower_sync_s",
+    "codec_compare",
 )
+#: The codec comparison trains at most this many parameters (the issue asks for >= 25M).
+CODEC_MAX_PARAMS = 25_000_000
 #: The bf16 ratio is measured on at most this many parameters (it does not depend on size).
 BF16_MAX_PARAMS = 25_000_000
 #: Scenarios that need the fp32 recording run.
@@ -62,6 +65,7 @@ class Config:
     warmup_steps: int = 100
     bf16_warmup_steps: int = 20
     bf16_versions: int = 5
+    codec_steps: int = 100
     workdir: str | None = None
     keep: bool = False
     kafka: str | None = None
@@ -654,6 +658,26 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                 results["kafka_produce_mb_s"] = kafka_produce(cfg, size, total)
     elif "kafka_produce_mb_s" in only:
         results["kafka_produce_mb_s"] = {"skipped": "no --kafka broker given"}
+
+    if "codec_compare" in only:
+        from .codecs import compare
+
+        params = min(cfg.params, CODEC_MAX_PARAMS)
+        res = compare(params, max(cfg.codec_steps, 12), root / "codecs", cfg.log)
+        results["codec_compare"] = {
+            "params": res["predictive"]["params"], "steps": cfg.codec_steps,
+            "predictive_bytes_per_commit_ratio": res["predictive"]["bytes_per_commit_ratio"],
+            "xor_bytes_per_commit_ratio": res["xor"]["bytes_per_commit_ratio"],
+            "predictive_encode_mb_s": res["predictive"]["encode_mb_s"],
+            "xor_encode_mb_s": res["xor"]["encode_mb_s"],
+            "encode_speedup": res["encode_speedup"],
+            "predictive_decode_mb_s": res["predictive"]["decode_mb_s"],
+            "xor_decode_mb_s": res["xor"]["decode_mb_s"],
+            "decode_speedup": res["decode_speedup"],
+            "predictive_versions": res["predictive"]["predictive_versions"],
+            "versions": res["predictive"]["versions"],
+        }
+        shutil.rmtree(root / "codecs", ignore_errors=True)
 
     if "follower_sync_s" in only and "follower_sync_s" not in results:
         results["follower_sync_s"] = {"skipped": "needs the embedded recording run"}
