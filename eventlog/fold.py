@@ -8,10 +8,13 @@ Shards fold in parallel threads: decompression, XOR and hashing release the GIL.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+
+import torch
 
 from . import crypto, knobs, serde
 from .apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
@@ -331,7 +334,7 @@ def rebuild(
                      start.version if start else 0)
         return state
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, _torch_threads_per_worker(workers):
         shards = list(pool.map(one, range(layout.shard_count)))
     total = small.counts
     per_shard = {}
@@ -344,6 +347,22 @@ def rebuild(
         log.run_id, version, info.step, layout, shards, small, info, total, per_shard, idx,
         start.source if start else "the start of the log",
     )
+
+
+@contextlib.contextmanager
+def _torch_threads_per_worker(workers: int) -> Iterator[None]:
+    """Share torch's intra-op threads among the workers while they replay optimizer steps:
+    each worker's step runs on its own core instead of all of them contending for every
+    core (process-wide, so restored on exit; ``REWIND_REPLAY_TORCH_THREADS=0`` turns it off)."""
+    before = torch.get_num_threads()
+    share = max(1, before // max(1, workers))
+    if knobs.REPLAY_TORCH_THREADS and workers > 1 and share < before:
+        torch.set_num_threads(share)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def _check_reachable(log: EventLog, shards: int, start: FoldStart | None) -> None:

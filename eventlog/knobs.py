@@ -32,6 +32,9 @@ PREDICT_MAX_STEPS = _int("PREDICT_MAX_STEPS", 2)
 #: partitions of one Kafka transaction become readable a moment apart; on a loaded broker,
 #: a 4 MiB record was seen to take over 5 s). Only spent when records are missing.
 SETTLE_S = float(os.environ.get("REWIND_SETTLE_S") or 30.0)
+#: Whether parallel replays share torch's intra-op threads among their workers (1) or let
+#: every worker's optimizer step use all of them (0).
+REPLAY_TORCH_THREADS = _int("REPLAY_TORCH_THREADS", 1)
 #: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
 MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
 #: Upper bound on one msgpack small state (bytes).
