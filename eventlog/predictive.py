@@ -124,19 +124,26 @@ def predict(
     prev: Mapping[str, np.ndarray],
     pool: Executor,
     chunk_bytes: int,
+    buffers: dict[tuple[int, int], np.ndarray] | None = None,
 ) -> Prediction:
     """Encode the steps' gradients and run the steps on ``prev`` in place (the prediction).
 
-    Gradients are copied once, off the training thread; the logged bits and the bits the
-    prediction uses are the same copy, so recorder and replayer compute the same thing.
+    Gradients are copied once, off the training thread, into ``buffers`` (reused across
+    versions; free again when this returns: the events hold compressed copies); the logged
+    bits and the bits the prediction uses are the same copy, so recorder and replayer
+    compute the same thing.
     """
+    buffers = {} if buffers is None else buffers
     grads: list[dict[int, np.ndarray]] = []
-    for step in steps:
+    for k, step in enumerate(steps):
         frozen = {}
         for i, g in step.grads.items():
             bits = tensorcodec.tensor_bits(g)
-            buf = torch.empty(len(bits), dtype=torch.uint8).numpy()
-            np.copyto(buf, bits)
+            buf = buffers.get((k, i))
+            if buf is None or buf.shape != bits.shape:
+                # Kept for the next version: fresh pages would fault in on every version.
+                buf = buffers[(k, i)] = torch.empty(len(bits), dtype=torch.uint8).numpy()
+            torch.from_numpy(buf).copy_(torch.from_numpy(bits))
             frozen[i] = buf
         grads.append(frozen)
     shards = sorted({spec_of[plan.params[i]].shard for step in steps for i in step.grads})

@@ -184,6 +184,7 @@ class Recorder:
         self._prev_chunks: dict[str, list[bytes]] = {}
         self._specs: tuple[TensorSpec, ...] = ()
         self._small: dict[str, bytes] = {}
+        self._grad_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused across versions
         self._spare: queue.Queue[dict[str, np.ndarray]] = queue.Queue()
         for _ in range(max_inflight + 1):
             self._spare.put({})
@@ -225,7 +226,8 @@ class Recorder:
                 # torch's allocator backs large buffers with huge pages: first-touch page
                 # faults of a fresh numpy buffer cost more than the copy itself.
                 buf = staged[name] = torch.empty(len(bits), dtype=torch.uint8).numpy()
-            np.copyto(buf, bits)
+            # torch's copy runs on its intra-op threads (numpy's copy on one core).
+            torch.from_numpy(buf).copy_(torch.from_numpy(bits))
         for name in list(staged):
             if name not in tensors:
                 del staged[name]
@@ -357,7 +359,7 @@ class Recorder:
             assert isinstance(self._plan, predictive_codec.StepPlan)
             try:
                 prediction = predictive_codec.predict(self._plan, job.steps, spec_of, self._prev,
-                                                      self._pool, self._chunk_bytes)
+                                                      self._pool, self._chunk_bytes, self._grad_buffers)
             except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
                 why_not = f"the {self._plan.optimizer} step could not be replayed ({exc})"
                 # It may have run part way on the previous bits: no delta against them, FULL.
