@@ -364,24 +364,7 @@ class SnapshotStore:
         self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None
     ) -> bytes:
         """One file's bytes, verified against its manifest entry (and decrypted)."""
-        path = self.directory(run_id, snapshot_id) / entry.name
-        if "/" in entry.name or entry.name.startswith("."):
-            raise SnapshotCorruptError(f"snapshot {snapshot_id}: bad file name {entry.name!r}")
-        try:
-            data = path.read_bytes()
-        except OSError as exc:
-            raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} is missing") from exc
-        if len(data) != entry.bytes:
-            raise SnapshotCorruptError(
-                f"snapshot {snapshot_id}: {path} has {len(data)} bytes, manifest says {entry.bytes} (truncated?)"
-            )
-        if digest_hex(data) != entry.xxh3:
-            raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} fails its xxh3 checksum")
-        if key_id is None:
-            return data
-        where = f"snapshot {snapshot_id} {entry.name}"
-        return crypto.require(key_id, where).decrypt(
-            key_id, data, _file_aad(run_id, snapshot_id, entry.name), where)
+        return self.read_buffer(run_id, snapshot_id, entry, key_id).tobytes()
 
     def read_buffer(
         self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None
