@@ -12,7 +12,6 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
 import torch
 
 from . import optimstep, tensorcodec
@@ -146,7 +145,7 @@ class ShardState:
                                params, grads, states, step.groups)
         except RewindError:
             raise
-        except Exception as exc:  # noqa: BLE001 - recorded (untrusted) values drive torch's code
+        except Exception as exc:
             raise IntegrityError(f"{where}: cannot replay the {step.optimizer} step of version "
                                  f"{version} (recorded under {recorded}, replaying under {replaying}): {exc}") from exc
         finally:
