@@ -145,7 +145,7 @@ class ShardState:
                                params, grads, states, step.groups)
         except RewindError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # recorded (untrusted) values drive torch's optimizer code
             raise IntegrityError(f"{where}: cannot replay the {step.optimizer} step of version "
                                  f"{version} (recorded under {recorded}, replaying under {replaying}): {exc}") from exc
         finally:
