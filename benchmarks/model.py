@@ -12,7 +12,7 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,6 +50,8 @@ class Workload:
     batch: int
     steps_done: int = 0
     train_seconds: float = 0.0
+    #: Seconds of each ``optimizer.step()`` alone: the least any replay of a version costs.
+    optimizer_step_s: list[float] = field(default_factory=list)
 
     @classmethod
     def build(cls, params: int, *, dtype: torch.dtype = torch.float32, seed: int = 0,
@@ -84,7 +86,9 @@ class Workload:
             loss = (self.model(x) - x.flip(-1)).pow(2).mean()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            t1 = time.perf_counter()
             self.optimizer.step()
+            self.optimizer_step_s.append(time.perf_counter() - t1)
             self.scheduler.step()
             np.random.random()  # the numpy and python RNGs advance too, as in an RL loop
             random.random()

@@ -282,6 +282,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     s0 = med(snap_only)
     tail = report.tail_versions
     per_version = (w2 - s0) / tail if w2 is not None and s0 is not None and tail else None
+    step_s = med(work.optimizer_step_s[-20:])
     budget = None
     if per_version and load is not None and s0 is not None:
         budget = max(0, int((1.5 * load - s0) // per_version)) if 1.5 * load >= s0 else -1
@@ -299,6 +300,10 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "per_tail_version_2_workers": per_version,
         # Longest tail that still meets "<= 1.5 x torch.load" (-1: not even the snapshot).
         "max_tail_versions_within_target": budget,
+        # The physical floor: reading the snapshot costs at least what torch.load of the same
+        # bytes does, and each tail version at least the optimizer step the trainer ran.
+        "optimizer_step_s": step_s,
+        "floor_ratio_vs_torch_load": _ratio(load + tail * step_s, load) if load and step_s else None,
         "fresh_process": True,
         "bit_exact": True,
         "repeats": cfg.repeats,
