@@ -157,6 +157,14 @@ def _sgd_step(name: str, h: Mapping[str, Any], params: list[torch.Tensor], grads
 _STEPS = {"Adam": _adam_step, "AdamW": _adam_step, "SGD": _sgd_step}
 
 
+def version_of(t: torch.Tensor) -> int:
+    """A tensor's in-place version counter, or -1 if it keeps none (inference tensors)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
 @dataclass
 class CapturedStep:
     """What one ``optimizer.step()`` consumed: gradient references and hyperparameters."""
@@ -201,7 +209,7 @@ class StepCapture:
                 if p.grad is not None:
                     grads[i], groups[i] = p.grad, g
                 i += 1
-        self.steps.append(CapturedStep(grads, {i: t._version for i, t in grads.items()}, groups,
+        self.steps.append(CapturedStep(grads, {i: version_of(t) for i, t in grads.items()}, groups,
                                        hyperparams_of(optimizer)))
 
     def take(self) -> list[CapturedStep]:

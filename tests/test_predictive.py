@@ -269,3 +269,20 @@ def test_a_step_that_cannot_be_replayed_while_recording_falls_back_to_full_bits(
     assert failed.encoded_bytes > 0.5 * failed.raw_bytes  # whole bits, not a delta on damaged ones
     assert after.encoding.startswith("predictive/") and after.residual_bytes == 0
     live.assert_every_version_replays_exactly(address)
+
+
+def test_gradients_without_a_version_counter_fall_back_and_never_break_the_step(address: RunAddress) -> None:
+    live = Live(address, OPTIMIZERS["sgd-plain"])
+    live.train(1)
+    live.train(1)
+    for p in live.model.parameters():  # e.g. gradients computed by hand under inference mode
+        with torch.inference_mode():
+            g = torch.ones_like(p)
+        p.grad = g
+    live.opt.step()  # the recorder's pre-hook must not raise here
+    live.opt.zero_grad()
+    result = live.train(0)
+    live.rec.close()
+    assert "not predictive: a gradient was changed in place after optimizer.step() (or keeps no version)" \
+        in result.encoding
+    live.assert_every_version_replays_exactly(address)
