@@ -406,30 +406,14 @@ def main(argv: list[str] | None = None) -> int:
             # The replay target: a snapshot now, then a tail of ``versions`` versions.
             with Snapshotter(addr, SnapshotStore(addr.snapshots_url or ""),
                              SnapshotterConfig(workers=2)) as snap:
-                snap_version = snap.snapshot(force=True).version
+                snap.snapshot(force=True)
             prev = {n: tc.tensor_bits(t).copy() for n, t in work.tensors().items()}
             for _ in range(args.versions):
                 work.step()
                 rec.commit(work.steps_done, wait=True)
             new = {n: tc.tensor_bits(t).copy() for n, t in work.tensors().items()}
         if "replay" in parts:
-            import replayer.replay as replay_mod
-
-            install_replay_timers()
-            for workers in (1, 2):
-                T.reset()
-                t0 = time.perf_counter()
-                replay_mod.replay(addr, Target(), workers=workers)
-                wall = time.perf_counter() - t0
-                show(console, f"replay snapshot + {args.versions} versions, {workers} worker(s)",
-                     wall, raw * args.versions, REPLAY_ORDER)
-            T.reset()
-            t0 = time.perf_counter()
-            replay_mod.replay(addr, Target("version", snap_version), workers=2)
-            wall = time.perf_counter() - t0
-            show(console, "replay to the snapshot's own version (no tail), 2 workers", wall, raw,
-                 REPLAY_ORDER)
-            unpatch()
+            profile_replays(console, addr)
         if "primitives" in parts:
             # prev/new are the state ``versions`` steps apart; use one step apart for realism.
             work.step()
