@@ -126,6 +126,7 @@ class ShardState:
         ):
             raise DecodeError(f"{where}: optimizer step lists of different lengths")
         params, grads, states = [], [], []
+        owned = optimstep.states_by_owner(self.tensors)
         for name, prefix in zip(step.params, step.states, strict=True):
             param, grad = self.tensors.get(name), self.grads.get(name)
             count, seen = self.grad_chunks.get(name, (0, set()))
@@ -135,9 +136,9 @@ class ShardState:
                                      "but the shard holds no such param or not its whole gradient")
             params.append(optimstep.tensor_view(param.bits, param.dtype, param.shape))
             grads.append(optimstep.tensor_view(grad.bits, grad.dtype, grad.shape))
-            keyed = {n[len(prefix) + 1:]: t for n, t in self.tensors.items() if n.startswith(prefix + "/")}
-            states.append({k: optimstep.tensor_view(t.bits, t.dtype, t.shape)
-                           for k, t in keyed.items() if "/" not in k})
+            states.append({k: optimstep.tensor_view(self.tensors[n].bits, self.tensors[n].dtype,
+                                                    self.tensors[n].shape)
+                           for k, n in owned.get(prefix, {}).items()})
         recorded = f"torch {step.torch_version} on {step.device}"
         replaying = f"torch {torch.__version__} on {'cuda' if torch.cuda.is_available() else 'cpu'}"
         try:

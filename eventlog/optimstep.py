@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +66,18 @@ def unpack_hyperparams(data: bytes, where: str) -> list[dict[str, Any]]:
     ):
         raise DecodeError(f"{where}: optimizer hyperparameters are not a list of param groups")
     return groups
+
+
+def states_by_owner(names: Iterable[str]) -> dict[str, dict[str, str]]:
+    """``{prefix: {state key: log name}}`` of every ``<prefix>/<key>`` name (e.g.
+    ``optimizer/state/3`` -> ``{"exp_avg": "optimizer/state/3/exp_avg"}``), in one pass: a
+    param's optimizer state is found by its prefix without scanning every tensor per param."""
+    out: dict[str, dict[str, str]] = {}
+    for name in names:
+        prefix, _, key = name.rpartition("/")
+        if prefix:
+            out.setdefault(prefix, {})[key] = name
+    return out
 
 
 def tensor_view(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

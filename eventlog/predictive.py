@@ -62,10 +62,9 @@ def _state_index(name: str) -> int | None:
     return None
 
 
-def state_tensors(specs: Mapping[str, TensorSpec], index: int) -> dict[str, str]:
-    """``{state key: log name}`` of optimizer param ``index`` in a layout."""
-    prefix = f"{STATE_PREFIX}/{index}/"
-    return {n[len(prefix):]: n for n in specs if n.startswith(prefix) and "/" not in n[len(prefix):]}
+def state_prefix(index: int) -> str:
+    """The log name prefix of optimizer param ``index``'s state tensors."""
+    return f"{STATE_PREFIX}/{index}"
 
 
 @dataclass
@@ -96,6 +95,7 @@ def check(
         return f"{len(steps)} optimizer steps since the last commit, over {knobs.PREDICT_MAX_STEPS}"
     if version == 0 or relayout:
         return "the layout changed (first commit, or new optimizer state)"
+    owned = optimstep.states_by_owner(spec_of)
     for step in steps:
         for i, g in step.grads.items():
             if step.versions[i] < 0 or optimstep.version_of(g) != step.versions[i]:
@@ -108,7 +108,7 @@ def check(
                 return f"param {name} has no previous bits"
             if (tensorcodec.dtype_name(g.dtype), tuple(g.shape)) != (spec.dtype, tuple(spec.shape)):
                 return f"the gradient of {name} does not match the param's dtype and shape"
-            states = state_tensors(spec_of, i)
+            states = owned.get(state_prefix(i), {})
             if not states and plan.optimizer != "SGD":  # plain SGD keeps no state
                 return f"param {name} has no optimizer state yet"
             for key, sname in states.items():
@@ -190,6 +190,7 @@ def _predict_shard(
     """Run one shard's share of every step on ``prev``; one ``OptimizerStep`` per step."""
     out = []
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    owned = optimstep.states_by_owner(spec_of)
     for k, step in enumerate(steps):
         names, groups, prefixes, params, gviews, states = [], [], [], [], [], []
         written: list[str] = []
@@ -199,10 +200,10 @@ def _predict_shard(
                 continue
             names.append(spec.name)
             groups.append(step.groups[i])
-            prefixes.append(f"{STATE_PREFIX}/{i}")
+            prefixes.append(state_prefix(i))
             params.append(tensor_view(prev[spec.name], spec.dtype, tuple(spec.shape)))
             gviews.append(tensor_view(grads[k][i], spec.dtype, tuple(spec.shape)))
-            st = state_tensors(spec_of, i)
+            st = owned.get(state_prefix(i), {})
             states.append({key: tensor_view(prev[n], spec_of[n].dtype, tuple(spec_of[n].shape))
                            for key, n in st.items()})
             written += [spec.name, *sorted(st.values())]
