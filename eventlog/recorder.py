@@ -353,17 +353,7 @@ class Recorder:
             specs = assign_shards(job.layout, self._shards, specs, owners)
         spec_of = {s.name: s for s in specs}
         t_encode = time.perf_counter()
-        why_not = predictive_codec.check(self._plan, job.steps, spec_of, self._prev, relayout, self._version)
-        prediction = None
-        if why_not is None:
-            assert isinstance(self._plan, predictive_codec.StepPlan)
-            try:
-                prediction = predictive_codec.predict(self._plan, job.steps, spec_of, self._prev,
-                                                      self._pool, self._chunk_bytes, self._grad_buffers)
-            except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
-                why_not = f"the {self._plan.optimizer} step could not be replayed ({exc})"
-                # It may have run part way on the previous bits: no delta against them, FULL.
-                self._prev, self._prev_chunks = {}, {}
+        prediction, why_not = self._predict(job, spec_of, relayout)
         encoded, chunk_digests = self._encode(job, spec_of, prediction.predicted if prediction else set())
         encode_seconds = time.perf_counter() - t_encode
 
@@ -441,6 +431,23 @@ class Recorder:
         self._version, self._last_gsn = version, first + count - 1
         return CommitResult(version, job.step, count, raw, enc, time.perf_counter() - t0, codec, residual,
                             encode_seconds)
+
+    def _predict(
+        self, job: _Job, spec_of: Mapping[str, TensorSpec], relayout: bool
+    ) -> tuple[predictive_codec.Prediction | None, str | None]:
+        """The version's predictive part, or ``None`` and why this version is XOR deltas."""
+        why_not = predictive_codec.check(self._plan, job.steps, spec_of, self._prev, relayout,
+                                         self._version)
+        if why_not is not None:
+            return None, why_not
+        assert isinstance(self._plan, predictive_codec.StepPlan)
+        try:
+            return predictive_codec.predict(self._plan, job.steps, spec_of, self._prev, self._pool,
+                                            self._chunk_bytes, self._grad_buffers), None
+        except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
+            # It may have run part way on the previous bits: no delta against them, FULL.
+            self._prev, self._prev_chunks = {}, {}
+            return None, f"the {self._plan.optimizer} step could not be replayed ({exc})"
 
     def _claim_version(self, base: int, version: int) -> None:
         """The version CAS; if the coordinator lost its state (Redis flushed or restarted
