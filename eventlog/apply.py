@@ -12,11 +12,11 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from . import optimstep, tensorcodec
+from . import knobs, optimstep, tensorcodec
+from .deferred import DeferredSteps, check_lists, describe_failure, recorded_under, replaying_under
 from .digests import chunk_digests, shard_digest, tensor_digest
-from .errors import DecodeError, DigestMismatchError, IntegrityError, RewindError
+from .errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
 from .events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
 
 APPLIED = "applied"
@@ -79,16 +79,32 @@ class ShardState:
     #: Gradients of a predictive version, gathered for its next ``OptimizerStep``.
     grads: dict[str, TensorBits] = field(default_factory=dict)
     grad_chunks: dict[str, tuple[int, set[int]]] = field(default_factory=dict)  # count, seen
+    #: Optimizer steps waiting to run as one tiled batch (``apply(..., defer=True)``).
+    deferred: DeferredSteps = field(default_factory=DeferredSteps)
 
-    def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str) -> str:
-        """Apply one event under the exactly-once rule; returns its outcome."""
+    def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str,
+              defer: bool = False) -> str:
+        """Apply one event under the exactly-once rule; returns its outcome.
+
+        With ``defer``, optimizer steps and their gradients are queued and run together,
+        tile by tile (``eventlog.deferred``), when a non-gradient chunk arrives, the queue
+        holds ``knobs.REPLAY_DEFER_BYTES``, or the caller calls ``run_deferred()``, which it
+        must before reading the tensors.
+        """
         outcome = classify(env, self.applied_gsn, self.snapshot_gsn, sealed)
         if outcome == APPLIED:
             body = env.body
             if isinstance(body, OptimizerStep):
-                self._apply_step(body, env.version, where)
+                if defer:
+                    self._defer_step(body, env.version, where)
+                else:
+                    self._apply_step(body, env.version, where)
             elif isinstance(body, TensorDelta):
-                self._apply_delta(body, where)
+                if defer and body.encoding == TensorDelta.GRAD:
+                    self.deferred.add_grad(body, where)
+                else:
+                    self.run_deferred()  # a residual or delta lands on the stepped bits
+                    self._apply_delta(body, where)
             else:
                 raise IntegrityError(f"{where}: a {env.kind} event on tensor shard {self.shard}")
             self.applied_gsn = env.gsn
@@ -118,13 +134,22 @@ class ShardState:
                 raise IntegrityError(f"{where}: gradient chunks of {delta.name!r} disagree on their count")
             seen.add(delta.chunk_index)
 
+    def run_deferred(self) -> None:
+        """Run the queued optimizer steps, if any (see ``apply``)."""
+        if self.deferred:
+            self.deferred.run(self.tensors, knobs.REPLAY_TILE_BYTES)
+
+    def _defer_step(self, step: OptimizerStep, version: int, where: str) -> None:
+        if not self.deferred.fits():
+            self.run_deferred()
+        self.deferred.add_step(step, version, where, self.tensors)
+        if self.deferred.nbytes >= knobs.REPLAY_DEFER_BYTES:
+            self.run_deferred()
+
     def _apply_step(self, step: OptimizerStep, version: int, where: str) -> None:
         """Replay one optimizer step on this shard's tensors, in place, and check that it
         predicted what the recording predicted (residual chunks then follow)."""
-        if not len(step.params) == len(step.groups) == len(step.states) or len(step.predicted) != len(
-            step.predicted_digests
-        ):
-            raise DecodeError(f"{where}: optimizer step lists of different lengths")
+        check_lists(step, where)
         params, grads, states = [], [], []
         owned = optimstep.states_by_owner(self.tensors)
         for name, prefix in zip(step.params, step.states, strict=True):
@@ -139,16 +164,13 @@ class ShardState:
             states.append({k: optimstep.tensor_view(self.tensors[n].bits, self.tensors[n].dtype,
                                                     self.tensors[n].shape)
                            for k, n in owned.get(prefix, {}).items()})
-        recorded = f"torch {step.torch_version} on {step.device}"
-        replaying = f"torch {torch.__version__} on {'cuda' if torch.cuda.is_available() else 'cpu'}"
         try:
             optimstep.run_step(step.optimizer, optimstep.unpack_hyperparams(step.hyperparams, where),
                                params, grads, states, step.groups)
         except RewindError:
             raise
         except Exception as exc:  # recorded (untrusted) values drive torch's optimizer code
-            raise IntegrityError(f"{where}: cannot replay the {step.optimizer} step of version "
-                                 f"{version} (recorded under {recorded}, replaying under {replaying}): {exc}") from exc
+            raise describe_failure(step, version, where, exc) from exc
         finally:
             self.grads.clear()
             self.grad_chunks.clear()
@@ -158,8 +180,8 @@ class ShardState:
             if got != want:
                 raise DigestMismatchError(
                     f"{where}: the replayed {step.optimizer} step of version {version} predicted "
-                    f"tensor {name!r} differently from the recording (recorded under {recorded}; "
-                    f"replaying under {replaying}): digest {got.hex() if got else 'missing'}, "
+                    f"tensor {name!r} differently from the recording (recorded under "
+                    f"{recorded_under(step)}; replaying under {replaying_under()}): digest {got.hex() if got else 'missing'}, "
                     f"recorded {want.hex()}"
                 )
 
@@ -226,7 +248,12 @@ def verify_shard(
                 )
     got_digest = state.digest(specs, chunk_bytes)
     if got_digest != seal.shard_digests[state.shard]:
-        raise DigestMismatchError(
-            f"shard {state.shard} rebuilt to version {version} has digest {got_digest.hex()}, "
-            f"but the seal of version {version} records {seal.shard_digests[state.shard].hex()}"
-        )
+        unchecked = state.deferred.unchecked
+        message = (f"shard {state.shard} rebuilt to version {version} has digest {got_digest.hex()}, "
+                   f"but the seal of version {version} records {seal.shard_digests[state.shard].hex()}")
+        if unchecked:
+            raise BatchedStepsMismatchError(
+                f"{message}; versions {unchecked[0]}..{unchecked[-1]} were replayed by batched "
+                "optimizer steps without per-step checks: replay with REWIND_REPLAY_DEFER_STEPS=0 "
+                "to name the first step that predicts differently")
+        raise DigestMismatchError(message)

@@ -47,6 +47,11 @@ class DigestMismatchError(IntegrityError):
     """A rebuilt shard's digest differs from the digest its version's seal recorded."""
 
 
+class BatchedStepsMismatchError(DigestMismatchError):
+    """A shard digest mismatch after optimizer steps that ran as one batch, without each
+    step's prediction check: rerunning with per-step checks names the diverging step."""
+
+
 class WrongRunError(RewindError):
     """An event, snapshot or checkpoint belongs to another run than the one asked for."""
 

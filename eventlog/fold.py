@@ -217,13 +217,15 @@ def fold_shard(
     on_bytes: Callable[[int], None] | None = None,
     settle_s: float = knobs.SETTLE_S,
     since_version: int = 0,
+    defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
 ) -> ShardState:
     """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.
 
     Partitions of one transaction may become visible a moment apart (each gets its own
     commit marker), so while the target's seal counts more events than were seen, the
     end offset is polled again for up to ``settle_s`` seconds. Versions up to
-    ``since_version`` are already in ``state`` (a snapshot, or an earlier fold).
+    ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
+    ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``).
     """
     sealed = {v for v in idx.seals if v <= version}
     t0 = time.perf_counter()
@@ -237,7 +239,7 @@ def fold_shard(
                 done = True  # one writer per partition: versions never go back after this
                 break
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
-            state.apply(env, sealed, nbytes, where)
+            state.apply(env, sealed, nbytes, where, defer=defer_steps)
             state.next_offset = offset + 1
             gt = offset
             if on_bytes is not None:
@@ -246,6 +248,7 @@ def fold_shard(
                 or time.monotonic() > deadline:
             break
         time.sleep(0.02)
+    state.run_deferred()
     state.counts.seconds = time.perf_counter() - t0
     return state
 
@@ -310,8 +313,11 @@ def rebuild(
     on_bytes: Callable[[int], None] | None = None,
     idx: ControlIndex | None = None,
     start: FoldStart | None = None,
+    defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
 ) -> RebuiltState:
-    """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log."""
+    """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
+
+    ``defer_steps``: batch consecutive optimizer steps (see ``fold_shard``)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
     layout = idx.layout_at(version, start.layout if start else None)
@@ -328,7 +334,7 @@ def rebuild(
         state = start.shards[shard] if start else ShardState(shard)
         gt = start.next_offsets[shard + 1] - 1 if start else None
         fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes,
-                   since_version=start.version if start else 0)
+                   since_version=start.version if start else 0, defer_steps=defer_steps)
         state.conform(layout.tensors)
         verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
                      start.version if start else 0)

@@ -16,6 +16,9 @@ def _int(name: str, default: int) -> int:
 CHUNK_BYTES = _int("CHUNK_BYTES", 4 * 1024 * 1024)
 #: Compression level for blosc2's zstd (chosen by ``benchmarks/codec_choice``).
 ZSTD_LEVEL = _int("ZSTD_LEVEL", 1)
+#: Compression of logged gradients (``blosc2-lz4``, or ``blosc2-zstd``: 10% smaller, but
+#: every replayed version then decompresses twice as slowly).
+GRAD_COMPRESSION = os.environ.get("REWIND_GRAD_COMPRESSION") or "blosc2-lz4"
 #: Threads that encode and decode chunks (0: one per core).
 CODEC_THREADS = _int("CODEC_THREADS", 0)
 #: Commits that may be queued behind the one being written before ``commit()`` blocks.
@@ -35,6 +38,14 @@ SETTLE_S = float(os.environ.get("REWIND_SETTLE_S") or 30.0)
 #: Whether parallel replays share torch's intra-op threads among their workers (1) or let
 #: every worker's optimizer step use all of them (0).
 REPLAY_TORCH_THREADS = _int("REPLAY_TORCH_THREADS", 1)
+#: Whether folds batch consecutive optimizer steps and run them tile by tile (1), or run
+#: each step over the whole shard and check its predicted digests at once (0).
+REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)
+#: Compressed gradient bytes a shard's fold may hold for batched steps before running them.
+REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 1024**3)
+#: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
+#: every batched step runs on before the next piece).
+REPLAY_TILE_BYTES = _int("REPLAY_TILE_BYTES", 4 * 1024 * 1024)
 #: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
 MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
 #: Upper bound on one msgpack small state (bytes).

@@ -155,7 +155,8 @@ def predict(
             ranges = tensorcodec.chunk_ranges(len(bits), chunk_bytes)
             grad_jobs.append((k, spec.shard, spec.name, [
                 pool.submit(tensorcodec.encode_chunk, bits[off:off + n], None, typesize=size,
-                            base_version=-1, index=j, count=len(ranges), offset=off)
+                            base_version=-1, index=j, count=len(ranges), offset=off,
+                            compression=knobs.GRAD_COMPRESSION)
                 for j, (off, n) in enumerate(ranges)]))
     runs = {s: pool.submit(_predict_shard, plan, steps, grads, spec_of, prev, s) for s in shards}
     step_bodies = {s: fut.result() for s, fut in runs.items()}

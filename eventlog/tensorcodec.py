@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from . import knobs
-from .errors import CorruptMessageError, DecodeError
+from .errors import ConfigError, CorruptMessageError, DecodeError
 from .events import TensorDelta
 
 #: torch dtypes Rewind records, by the name used in events.
@@ -35,7 +35,11 @@ DTYPES: dict[str, torch.dtype] = {
         torch.complex64, torch.complex128,
     )
 }
-COMPRESSIONS = ("none", "blosc2-zstd")
+COMPRESSIONS = ("none", "blosc2-zstd", "blosc2-lz4")
+#: blosc2's codec behind each compression name. zstd packs state deltas best; gradients
+#: (mostly noisy mantissas) gain 10% from it but decompress twice as slowly as with lz4,
+#: and every replayed version decompresses a whole gradient (see README, "Codec choice").
+_CODECS = {"blosc2-zstd": blosc2.Codec.ZSTD, "blosc2-lz4": blosc2.Codec.LZ4}
 # python-blosc2 keeps the GIL while it (de)compresses unless told otherwise; chunks are
 # encoded and decoded in thread pools, so without this they would run one at a time.
 blosc2.set_releasegil(True)
@@ -131,11 +135,14 @@ class EncodedChunk:
                            self.base_version, self.digest, self.payload)
 
 
-def _compress(data: np.ndarray, typesize: int) -> bytes:
+def _compress(data: np.ndarray, typesize: int, compression: str = "blosc2-zstd") -> bytes:
+    codec = _CODECS.get(compression)
+    if codec is None:
+        raise ConfigError(f"unknown compression {compression!r}: use one of {', '.join(_CODECS)}")
     return bytes(
         blosc2.compress2(
-            data, typesize=typesize, clevel=knobs.ZSTD_LEVEL, codec=blosc2.Codec.ZSTD,
-            filters=[blosc2.Filter.SHUFFLE], nthreads=1,
+            data, typesize=typesize, clevel=knobs.ZSTD_LEVEL if codec == blosc2.Codec.ZSTD else 1,
+            codec=codec, filters=[blosc2.Filter.SHUFFLE], nthreads=1,
         )
     )
 
@@ -149,20 +156,22 @@ def encode_chunk(
     index: int,
     count: int,
     offset: int,
+    compression: str = "blosc2-zstd",
 ) -> EncodedChunk | None:
-    """Encode one chunk of new bits against the previous bits; ``None`` if nothing changed."""
+    """Encode one chunk of new bits against the previous bits; ``None`` if nothing changed.
+
+    ``compression`` names the blosc2 codec (a chunk that does not shrink is stored raw)."""
     if prev is not None:
         delta = np.bitwise_xor(new, prev)
         if not delta.any():  # unchanged: nothing to write (one pass fewer than comparing first)
             return None
-        payload, encoding = _compress(delta, typesize), TensorDelta.XOR
+        payload, encoding = _compress(delta, typesize, compression), TensorDelta.XOR
         if len(payload) > _TRY_FULL_ABOVE * len(new):
-            full = _compress(new, typesize)
+            full = _compress(new, typesize, compression)
             if len(full) < len(payload):
                 payload, encoding = full, TensorDelta.FULL
     else:
-        payload, encoding = _compress(new, typesize), TensorDelta.FULL
-    compression = "blosc2-zstd"
+        payload, encoding = _compress(new, typesize, compression), TensorDelta.FULL
     if len(payload) >= len(new):
         # Incompressible bits: store them raw (FULL) rather than pay for a decompress.
         payload, encoding, compression = new.tobytes(), TensorDelta.FULL, "none"
@@ -211,28 +220,12 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
 
     ``bits`` is the tensor's whole uint8 buffer. On any error nothing is written to it.
     """
-    total = len(bits)
+    check_chunk(delta, len(bits), where)
     off, n = delta.byte_offset, delta.byte_length
-    if not _is_chunk_of(total, delta.chunk_index, delta.chunk_count, off, n):
-        raise CorruptMessageError(
-            f"{where}: chunk {delta.chunk_index}/{delta.chunk_count} range "
-            f"[{off}, {off + n}) is not a chunk of tensor {delta.name!r} of {total} bytes"
-        )
-    if delta.encoding not in _BITS and delta.encoding not in _XORED:
-        raise CorruptMessageError(f"{where}: unknown encoding {delta.encoding!r}")
-    if delta.compression == "none":
-        if len(delta.payload) != n:
-            raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {n}")
-        plain = np.frombuffer(delta.payload, dtype=np.uint8)
-    elif delta.compression == "blosc2-zstd":
-        plain = _decompress(delta.payload, n, where, out=_scratch(n))
-    else:
-        raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
+    plain = _plain(delta, where, _scratch(n))
     target = bits[off : off + n]
     if delta.encoding in _BITS:
-        got = digest(plain)
-        if got != delta.digest:
-            raise _digest_error(delta, got, where)
+        _check_digest(delta, plain, where)
         target[:] = plain
         return
     # XOR in place (no new array, one pass fewer); a wrong digest XORs the same bits back,
@@ -245,6 +238,51 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
         raise
     if got != delta.digest:
         np.bitwise_xor(target, plain, out=target)
+        raise _digest_error(delta, got, where)
+
+
+def check_chunk(delta: TensorDelta, total: int, where: str) -> None:
+    """Fail unless ``delta`` is a well-formed chunk of a ``total``-byte tensor (its range is
+    where ``chunk_ranges`` puts it, its encoding and compression are known)."""
+    off, n = delta.byte_offset, delta.byte_length
+    if not _is_chunk_of(total, delta.chunk_index, delta.chunk_count, off, n):
+        raise CorruptMessageError(
+            f"{where}: chunk {delta.chunk_index}/{delta.chunk_count} range "
+            f"[{off}, {off + n}) is not a chunk of tensor {delta.name!r} of {total} bytes"
+        )
+    if delta.encoding not in _BITS and delta.encoding not in _XORED:
+        raise CorruptMessageError(f"{where}: unknown encoding {delta.encoding!r}")
+    if delta.compression not in COMPRESSIONS:
+        raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
+
+
+def decode_bits_into(delta: TensorDelta, out: np.ndarray, where: str) -> None:
+    """Decode a ``FULL`` or ``GRAD`` chunk (already passed ``check_chunk``) straight into
+    ``out`` (``byte_length`` bytes, e.g. a cache-sized tile buffer), checking its digest.
+    On a bad digest ``out`` holds garbage; the caller must not use it."""
+    if delta.encoding not in _BITS:
+        raise CorruptMessageError(f"{where}: a {delta.encoding} chunk where bits were expected")
+    plain = _plain(delta, where, out)
+    if plain is not out:
+        out[:] = plain
+    _check_digest(delta, out, where)
+
+
+def _plain(delta: TensorDelta, where: str, out: np.ndarray) -> np.ndarray:
+    """The chunk's plain bytes: its raw payload, or its payload decompressed into ``out``."""
+    n = delta.byte_length
+    if delta.compression == "none":
+        if len(delta.payload) != n:
+            raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {n}")
+        return np.frombuffer(delta.payload, dtype=np.uint8)
+    if delta.compression in _CODECS:
+        return _decompress(delta.payload, n, where, out=out)
+    raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
+
+
+def _check_digest(delta: TensorDelta, plain: np.ndarray, where: str) -> None:
+    got = digest(plain)
+    if got != delta.digest:
         raise _digest_error(delta, got, where)
 
 

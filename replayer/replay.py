@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 
-from eventlog import RunAddress, Target
+from eventlog import RunAddress, Target, knobs
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
-from eventlog.fold import RebuiltState, index_control, rebuild
+from eventlog.errors import BatchedStepsMismatchError
+from eventlog.fold import FoldStart, RebuiltState, index_control, rebuild
 from eventlog.ports import EventLog
 from snapshotter.catalog import newest_valid
 from snapshotter.store import SnapshotStore
@@ -67,11 +68,22 @@ def replay(
     with address.open_log() as log:
         idx = index_control(log)
         version = idx.resolve(target)
-        start, passed = None, []
-        if use_snapshots and address.snapshots_url:
-            store = SnapshotStore(address.snapshots_url)
-            start, passed = newest_valid(store, log, idx, version, workers=workers)
-        state = rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start)
+
+        def fold(defer_steps: bool) -> tuple[RebuiltState, FoldStart | None, list[tuple[str, str]]]:
+            start, passed = None, []
+            if use_snapshots and address.snapshots_url:
+                store = SnapshotStore(address.snapshots_url)
+                start, passed = newest_valid(store, log, idx, version, workers=workers)
+            return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
+                           defer_steps=defer_steps), start, passed
+
+        try:
+            state, start, passed = fold(bool(knobs.REPLAY_DEFER_STEPS))
+        except BatchedStepsMismatchError:
+            # Batched steps skip each step's prediction check; fold again with the checks,
+            # so the error names the version, the tensor and both torch builds.
+            fold(False)
+            raise  # the checked fold matched: the batched one is the error to report
     c = state.counts
     report = ReplayReport(
         run_id=state.run_id, target=str(target), version=state.version, step=state.step,

@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from eventlog import Recorder, RunAddress, Target, serde
-from eventlog.errors import DigestMismatchError
+from eventlog import Recorder, RunAddress, Target, knobs, serde
+from eventlog.deferred import DeferredSteps
+from eventlog.errors import BatchedStepsMismatchError, CorruptMessageError, DigestMismatchError
 from eventlog.events import OptimizerStep, TensorDelta
+from eventlog.fold import rebuild
 from eventlog.recorder import CommitResult
 from replayer.replay import replay, state_dicts
 
@@ -210,6 +212,13 @@ def test_a_replay_that_predicts_differently_names_version_tensor_and_torch(
         params[0].view(-1)[0:1].view(torch.int32).add_(1)
 
     monkeypatch.setattr(optimstep, "run_step", another_torch)
+    # Batched steps skip each step's check: the seal catches the difference, and says how
+    # to name the step...
+    with address.open_log() as log, pytest.raises(BatchedStepsMismatchError) as batched:
+        rebuild(log, Target("version", 4), defer_steps=True)
+    assert "versions 2..4 were replayed by batched optimizer steps" in str(batched.value)
+    assert "REWIND_REPLAY_DEFER_STEPS=0" in str(batched.value)
+    # ...which replay() does by itself: it folds again with per-step checks.
     with pytest.raises(DigestMismatchError) as info:
         replay(address, Target("version", 4))
     msg = str(info.value)
@@ -286,3 +295,70 @@ def test_gradients_without_a_version_counter_fall_back_and_never_break_the_step(
     assert "not predictive: a gradient was changed in place after optimizer.step() (or keeps no version)" \
         in result.encoding
     live.assert_every_version_replays_exactly(address)
+
+
+@pytest.mark.parametrize("kind", ["adam", "adam-foreach-amsgrad", "adam-fused", "sgd-nesterov"])
+def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
+    address: RunAddress, kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Folds batch consecutive steps and run them tile by tile. Small tiles (one 8 KiB
+    gradient chunk per unit, so each param's step counter is split over tiles) and a small
+    gradient budget (a batch every two or three steps) must give the trainer's bits."""
+    live = Live(address, OPTIMIZERS[kind])
+    for _ in range(9):
+        live.train(1)
+    live.rec.close()
+    batches: list[list[int]] = []
+    real_run = DeferredSteps.run
+
+    def counted(self: DeferredSteps, tensors: Any, unit_bytes: int) -> None:
+        if self.steps:
+            batches.append([s.version for s in self.steps])
+        real_run(self, tensors, unit_bytes)
+
+    monkeypatch.setattr(DeferredSteps, "run", counted)
+    with address.open_log() as log:
+        state = rebuild(log, Target("version", 9))
+    # Version 1 holds the whole state, then every version is predictive: one batch of all
+    # their steps on each shard holding params.
+    predictive = tuple(r.version for r in live.results if r.encoding.startswith("predictive/"))
+    assert predictive == tuple(range(2, 10))
+    assert set(map(tuple, batches)) == {predictive}
+    assert {tuple(s.deferred.unchecked) for s in state.shards if s.deferred.unchecked} == {predictive}
+    batches.clear()
+    grad_bytes = max(r.encoded_bytes - r.residual_bytes for r in live.results[2:])
+    monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", 8192)
+    monkeypatch.setattr(knobs, "REPLAY_DEFER_BYTES", grad_bytes)  # about two steps per shard
+    live.assert_every_version_replays_exactly(address)
+    assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
+
+
+@pytest.mark.parametrize("defer", [True, False], ids=["batched", "step-by-step"])
+def test_a_damaged_gradient_chunk_is_refused_naming_its_place(tmp_path: Any, defer: bool) -> None:
+    """Gradients are lz4 chunks; batched replays decompress them late, inside a tile. A
+    flipped byte must still fail with the chunk's run, shard, offset and tensor."""
+    import sqlite3
+
+    db = tmp_path / "rewind.db"
+    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "grads")
+    live = Live(address, OPTIMIZERS["adam"])
+    for _ in range(4):
+        live.train(1)
+    live.rec.close()
+    with sqlite3.connect(db) as c:
+        rows = c.execute("SELECT partition, offset, value FROM records WHERE run='grads' AND partition>=0").fetchall()
+        grads = [(p, o, bytes(v), body) for p, o, v in rows
+                 if isinstance(body := serde.decode(bytes(v)).body, TensorDelta) and body.encoding == "GRAD"]
+        # lz4 (a chunk lz4 cannot shrink is stored raw)
+        assert {g[3].compression for g in grads} <= {"blosc2-lz4", "none"}
+        partition, offset, value, delta = max((g for g in grads if g[3].compression == "blosc2-lz4"),
+                                              key=lambda g: len(g[3].payload))
+        damaged = bytearray(value)
+        damaged[value.rfind(delta.payload) + 3 * len(delta.payload) // 4] ^= 0x5A
+        c.execute("UPDATE records SET value=? WHERE run='grads' AND partition=? AND offset=?",
+                  (bytes(damaged), partition, offset))
+    c.close()
+    with address.open_log() as log, pytest.raises(CorruptMessageError) as info:
+        rebuild(log, Target(), defer_steps=defer)
+    msg = str(info.value)
+    assert f"run 'grads' shard {partition} offset {offset}" in msg and repr(delta.name) in msg, msg
