@@ -42,7 +42,7 @@ REPLAY_TORCH_THREADS = _int("REPLAY_TORCH_THREADS", 1)
 #: each step over the whole shard and check its predicted digests at once (0).
 REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)
 #: Compressed gradient bytes a shard's fold may hold for batched steps before running them.
-REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 1024**3)
+REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 256 * 1024**2)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).
 REPLAY_TILE_BYTES = _int("REPLAY_TILE_BYTES", 4 * 1024 * 1024)

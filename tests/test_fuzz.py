@@ -250,8 +250,9 @@ _FIELDS = st.fixed_dictionaries({
 })
 
 
-def _shard_with_gradient() -> ShardState:
-    """A shard holding param ``w``, its Adam state and a complete gradient for it."""
+def _shard_with_gradient(defer: bool = False) -> ShardState:
+    """A shard holding param ``w``, its Adam state and a complete gradient for it (queued
+    for a batched step if ``defer``)."""
     shard = ShardState(0)
     gsn = iter(range(1, 1000))
     for name, value in (("w", _TENSOR), ("optimizer/state/0/exp_avg", _TENSOR * 0.1),
@@ -265,21 +266,25 @@ def _shard_with_gradient() -> ShardState:
     for c in _CHUNKS:
         grad = dataclasses.replace(c, encoding=TensorDelta.GRAD)
         shard.apply(Envelope("run", next(gsn), 2, 1, 0, "w#s", 0,
-                             grad.to_delta("w", "float32", (64,))), {2}, 0, "fuzz")
+                             grad.to_delta("w", "float32", (64,))), {2}, 0, "fuzz", defer=defer)
     assert shard.counts.applied == gsn.__next__() - 1 and len(shard.tensors) == 4
     return shard
 
 
+@pytest.mark.parametrize("defer", [False, True], ids=["step-by-step", "batched"])
 @settings(FUZZ, max_examples=max(1, EXAMPLES // 5))
 @given(_FIELDS)
-def test_fuzz_optimizer_step_replay(fields: dict) -> None:
+def test_fuzz_optimizer_step_replay(defer: bool, fields: dict) -> None:
     """A damaged ``OptimizerStep`` drives torch's optimizer code with recorded values: it
-    either replays, or fails with one of Rewind's errors, never another exception."""
+    either replays (at once, or batched and tiled), or fails with one of Rewind's errors,
+    never another exception."""
     n = len(fields["params"])
     body = OptimizerStep(fields["optimizer"], 0, 1, "2.4", "cpu", fields["hyperparams"],
                          tuple(fields["params"]), tuple(fields["groups"]), tuple(fields["states"]),
                          ("w",) if n else (), (b"e" * 16,) if n else ())
     try:
-        _shard_with_gradient().apply(Envelope("run", 2000, 2, 1, 0, "w#s", 0, body), {2}, 0, "fuzz")
+        shard = _shard_with_gradient(defer)
+        shard.apply(Envelope("run", 2000, 2, 1, 0, "w#s", 0, body), {2}, 0, "fuzz", defer=defer)
+        shard.run_deferred()
     except RewindError:
         return
