@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import knobs, optimstep, tensorcodec
-from .deferred import DeferredSteps, check_lists, describe_failure, recorded_under, replaying_under
+from .deferred import DeferredSteps
 from .digests import chunk_digests, shard_digest, tensor_digest
 from .errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
 from .events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
+from .optimstep import check_lists, describe_failure, recorded_under, replaying_under
 
 APPLIED = "applied"
 SKIPPED_BY_SNAPSHOT = "skipped_by_snapshot"

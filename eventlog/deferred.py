@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from . import optimstep, tensorcodec
-from .errors import DecodeError, IntegrityError, RewindError
+from .errors import IntegrityError, RewindError
 from .events import OptimizerStep, TensorDelta
 
 if TYPE_CHECKING:
@@ -73,32 +73,6 @@ class _Tile:
     stop: int
     chunks: tuple[int, ...]
     whole: bool  # the param's states are not all per element: the tile is the whole tensor
-
-
-def describe_failure(step: OptimizerStep, version: int, where: str, exc: Exception) -> IntegrityError:
-    """The error for a recorded step that torch refuses to replay (recorded values are
-    untrusted and drive torch's optimizer code): names the version and both torch builds."""
-    return IntegrityError(
-        f"{where}: cannot replay the {step.optimizer} step of version {version} (recorded "
-        f"under {recorded_under(step)}, replaying under {replaying_under()}): {exc}")
-
-
-def recorded_under(step: OptimizerStep) -> str:
-    """The torch build and device a step was recorded under."""
-    return f"torch {step.torch_version} on {step.device}"
-
-
-def replaying_under() -> str:
-    """This process's torch build and device."""
-    return f"torch {torch.__version__} on {'cuda' if torch.cuda.is_available() else 'cpu'}"
-
-
-def check_lists(step: OptimizerStep, where: str) -> None:
-    """Fail unless a step's parallel lists have matching lengths."""
-    if not len(step.params) == len(step.groups) == len(step.states) or len(step.predicted) != len(
-        step.predicted_digests
-    ):
-        raise DecodeError(f"{where}: optimizer step lists of different lengths")
 
 
 class DeferredSteps:
@@ -143,7 +117,7 @@ class DeferredSteps:
     def add_step(self, body: OptimizerStep, version: int, where: str,
                  tensors: Mapping[str, TensorBits]) -> None:
         """Queue a step after checking that the shard holds its params and whole gradients."""
-        check_lists(body, where)
+        optimstep.check_lists(body, where)
         grads: dict[str, GradChunks] = {}
         for name in body.params:
             param, grad = tensors.get(name), self._grads.get(name)
@@ -267,7 +241,7 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
         except RewindError:
             raise
         except Exception as exc:  # recorded (untrusted) values drive torch's optimizer code
-            raise describe_failure(step.body, step.version, step.where, exc) from exc
+            raise optimstep.describe_failure(step.body, step.version, step.where, exc) from exc
     for (name, _), value in copies.items():
         finals[name] = value
 

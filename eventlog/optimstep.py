@@ -27,7 +27,8 @@ from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
 
 from . import statecodec, tensorcodec
-from .errors import ConfigError, DecodeError
+from .errors import ConfigError, DecodeError, IntegrityError
+from .events import OptimizerStep
 
 #: The optimizers whose step is replayed; any other (subclasses included, since they may
 #: override ``step``) is recorded as XOR deltas.
@@ -167,6 +168,32 @@ def _sgd_step(name: str, h: Mapping[str, Any], params: list[torch.Tensor], grads
 
 
 _STEPS = {"Adam": _adam_step, "AdamW": _adam_step, "SGD": _sgd_step}
+
+
+def describe_failure(step: OptimizerStep, version: int, where: str, exc: Exception) -> IntegrityError:
+    """The error for a recorded step that torch refuses to replay (recorded values are
+    untrusted and drive torch's optimizer code): names the version and both torch builds."""
+    return IntegrityError(
+        f"{where}: cannot replay the {step.optimizer} step of version {version} (recorded "
+        f"under {recorded_under(step)}, replaying under {replaying_under()}): {exc}")
+
+
+def recorded_under(step: OptimizerStep) -> str:
+    """The torch build and device a step was recorded under."""
+    return f"torch {step.torch_version} on {step.device}"
+
+
+def replaying_under() -> str:
+    """This process's torch build and device."""
+    return f"torch {torch.__version__} on {'cuda' if torch.cuda.is_available() else 'cpu'}"
+
+
+def check_lists(step: OptimizerStep, where: str) -> None:
+    """Fail unless a step's parallel lists have matching lengths."""
+    if not len(step.params) == len(step.groups) == len(step.states) or len(step.predicted) != len(
+        step.predicted_digests
+    ):
+        raise DecodeError(f"{where}: optimizer step lists of different lengths")
 
 
 def version_of(t: torch.Tensor) -> int:
