@@ -258,3 +258,4 @@ def verify_shard(
                 "optimizer steps without per-step checks: replay with REWIND_REPLAY_DEFER_STEPS=0 "
                 "to name the first step that predicts differently")
         raise DigestMismatchError(message)
+    state.deferred.unchecked.clear()  # the seal vouches for every batched step up to here

@@ -83,7 +83,8 @@ class DeferredSteps:
         self.steps: list[PendingStep] = []
         #: Compressed bytes held (gradients of pending steps and of the next one).
         self.nbytes = 0
-        #: Versions whose steps ran here, their predicted digests unchecked.
+        #: Versions whose steps ran here, their predicted digests unchecked (until a seal
+        #: check of the shard vouches for them: ``apply.verify_shard`` clears it).
         self.unchecked: list[int] = []
 
     def __bool__(self) -> bool:

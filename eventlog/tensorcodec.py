@@ -38,7 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
 COMPRESSIONS = ("none", "blosc2-zstd", "blosc2-lz4")
 #: blosc2's codec behind each compression name. zstd packs state deltas best; gradients
 #: (mostly noisy mantissas) gain 10% from it but decompress twice as slowly as with lz4,
-#: and every replayed version decompresses a whole gradient (see README, "Codec choice").
+#: and every replayed version decompresses a whole gradient (README, "Tensor codec").
 _CODECS = {"blosc2-zstd": blosc2.Codec.ZSTD, "blosc2-lz4": blosc2.Codec.LZ4}
 # python-blosc2 keeps the GIL while it (de)compresses unless told otherwise; chunks are
 # encoded and decoded in thread pools, so without this they would run one at a time.
