@@ -23,6 +23,7 @@ checked against the target's seal; on a mismatch, replaying with
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -47,6 +48,11 @@ class GradChunks:
     shape: tuple[int, ...]
     count: int
     chunks: dict[int, tuple[TensorDelta, str]] = field(default_factory=dict)  # index -> (chunk, where)
+
+    def cut(self) -> tuple[int, int]:
+        """How the tensor is cut: chunk count and first chunk's length (``check_chunk``
+        has pinned every chunk to the grid these two define)."""
+        return self.count, self.chunks[0][0].byte_length
 
     def grid(self) -> list[tuple[int, int]]:
         """``(byte offset, length)`` of each chunk, in order."""
@@ -73,6 +79,7 @@ class _Tile:
     stop: int
     chunks: tuple[int, ...]
     whole: bool  # the param's states are not all per element: the tile is the whole tensor
+    nbytes: int  # of gradient
 
 
 class DeferredSteps:
@@ -111,7 +118,7 @@ class DeferredSteps:
         for step in self.steps:
             for name, grad in self._grads.items():
                 other = step.grads.get(name)
-                if other is not None and len(grad.chunks) == grad.count and other.grid() != grad.grid():
+                if other is not None and len(grad.chunks) == grad.count and other.cut() != grad.cut():
                     return False
         return True
 
@@ -149,7 +156,7 @@ class DeferredSteps:
         # Scalar states (Adam's step counter): each unit counts on a copy; these keep the
         # copies' final values, written back once every unit has run.
         finals: dict[str, torch.Tensor] = {}
-        for unit in _units(tiles, tensors, unit_bytes):
+        for unit in _units(tiles, unit_bytes):
             _run_unit(unit, steps, states, tensors, finals)
         for name, value in finals.items():
             t = tensors[name]
@@ -174,32 +181,28 @@ def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
             per_element = all(_numel(tensors[n]) in (numel, 1)
                               for o in states for n in o.get(name, {}).values())
             if not per_element or numel == 0:
-                out.append(_Tile(name, 0, numel, tuple(range(grad.count)), True))
+                out.append(_Tile(name, 0, numel, tuple(range(grad.count)), True, numel * size))
                 continue
             for i, (off, n) in enumerate(grad.grid()):
-                out.append(_Tile(name, off // size, (off + n) // size, (i,), False))
+                out.append(_Tile(name, off // size, (off + n) // size, (i,), False, n))
     return out
 
 
 def _numel(t: TensorBits) -> int:
-    n = 1
-    for d in t.shape:
-        n *= d
-    return n
+    return math.prod(t.shape)
 
 
-def _units(tiles: list[_Tile], tensors: Mapping[str, TensorBits], unit_bytes: int) -> list[list[_Tile]]:
+def _units(tiles: list[_Tile], unit_bytes: int) -> list[list[_Tile]]:
     """Tiles gathered into units of at most ``unit_bytes`` of gradient (a bigger tile is a
     unit of its own), so small params do not pay one optimizer call each."""
     units: list[list[_Tile]] = []
     size = 0
     for tile in tiles:
-        n = (tile.stop - tile.start) * tensorcodec.itemsize(tensors[tile.param].dtype)
-        if not units or size + n > unit_bytes:
+        if not units or size + tile.nbytes > unit_bytes:
             units.append([])
             size = 0
         units[-1].append(tile)
-        size += n
+        size += tile.nbytes
     return units
 
 
@@ -222,14 +225,13 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
         members = [t for t in unit if t.param in step.grads]
         if not members:
             continue
-        sizes = [(t.stop - t.start) * tensorcodec.itemsize(tensors[t.param].dtype) for t in members]
-        scratch = _scratch(sum(sizes))
+        scratch = _scratch(sum(t.nbytes for t in members))
         index = {n: i for i, n in enumerate(step.body.params)}
         params, grads, tile_states, groups = [], [], [], []
         at = 0
-        for tile, n in zip(members, sizes, strict=True):
-            buf = scratch[at:at + n]
-            at += n
+        for tile in members:
+            buf = scratch[at:at + tile.nbytes]
+            at += tile.nbytes
             _decode(step.grads[tile.param], tile, buf)
             param = tensors[tile.param]
             shape = param.shape if tile.whole else (tile.stop - tile.start,)
