@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,11 @@ import torch
 from . import optimstep, tensorcodec
 from .errors import IntegrityError, RewindError
 from .events import OptimizerStep, TensorDelta
+
+# Gradients stored uncompressed are handed to the optimizer as read-only views of their
+# message (``_decode``); torch warns once that it cannot mark such a tensor read-only.
+# The optimizer never writes a gradient, so the warning would only alarm users.
+warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 if TYPE_CHECKING:
     from .apply import TensorBits
@@ -230,9 +236,8 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
         params, grads, tile_states, groups = [], [], [], []
         at = 0
         for tile in members:
-            buf = scratch[at:at + tile.nbytes]
+            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes])
             at += tile.nbytes
-            _decode(step.grads[tile.param], tile, buf)
             param = tensors[tile.param]
             shape = param.shape if tile.whole else (tile.stop - tile.start,)
             params.append(_slice(param, tile))
@@ -255,13 +260,20 @@ def _slice(t: TensorBits, tile: _Tile) -> torch.Tensor:
     return view if tile.whole else view.reshape(-1)[tile.start:tile.stop]
 
 
-def _decode(grad: GradChunks, tile: _Tile, out: np.ndarray) -> None:
-    """Decompress the tile's gradient chunks into ``out``, checking their digests."""
+def _decode(grad: GradChunks, tile: _Tile, out: np.ndarray) -> np.ndarray:
+    """The tile's gradient bits, digest checked: the payload itself for one uncompressed
+    chunk, else its chunks decompressed into ``out``."""
+    if len(tile.chunks) == 1:
+        delta, where = grad.chunks[tile.chunks[0]]
+        raw = tensorcodec.raw_bits(delta, where)
+        if raw is not None:
+            return raw
     at = 0
     for i in tile.chunks:
         delta, where = grad.chunks[i]
         tensorcodec.decode_bits_into(delta, out[at:at + delta.byte_length], where)
         at += delta.byte_length
+    return out
 
 
 def _tile_states(tile: _Tile, owned: Mapping[str, str], tensors: Mapping[str, TensorBits],

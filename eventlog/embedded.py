@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ParamSpec, TypeVar
 
+from . import knobs
 from .errors import (
     CoordinationError,
     CorruptStoreError,
@@ -253,6 +254,8 @@ class _Checkpointer:
 
 class EmbeddedLog(EventLog):
     """A run's log in a SQLite file."""
+
+    scan_batch = knobs.EMBEDDED_READ_BATCH
 
     def __init__(self, url: str, run_id: str) -> None:
         self.url, self.run_id = url, run_id

@@ -14,6 +14,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+from . import knobs
 from .events import CONTROL_SHARD
 
 CONTROL = CONTROL_SHARD
@@ -58,6 +59,8 @@ class EventLog(abc.ABC):
 
     run_id: str
     url: str
+    #: Records per ``read`` call when a fold scans a partition (``scan(batch=...)``).
+    scan_batch: int = knobs.READ_BATCH
 
     @abc.abstractmethod
     def create(self, shards: int) -> None:

@@ -136,9 +136,11 @@ class EncodedChunk:
 
 
 def _compress(data: np.ndarray, typesize: int, compression: str = "blosc2-zstd") -> bytes:
+    if compression == "none":
+        return data.tobytes()
     codec = _CODECS.get(compression)
     if codec is None:
-        raise ConfigError(f"unknown compression {compression!r}: use one of {', '.join(_CODECS)}")
+        raise ConfigError(f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
     return bytes(
         blosc2.compress2(
             data, typesize=typesize, clevel=knobs.ZSTD_LEVEL if codec == blosc2.Codec.ZSTD else 1,
@@ -172,7 +174,7 @@ def encode_chunk(
                 payload, encoding = full, TensorDelta.FULL
     else:
         payload, encoding = _compress(new, typesize, compression), TensorDelta.FULL
-    if len(payload) >= len(new):
+    if len(payload) >= len(new) and not (encoding == TensorDelta.FULL and compression == "none"):
         # Incompressible bits: store them raw (FULL) rather than pay for a decompress.
         payload, encoding, compression = new.tobytes(), TensorDelta.FULL, "none"
     return EncodedChunk(
@@ -266,6 +268,20 @@ def decode_bits_into(delta: TensorDelta, out: np.ndarray, where: str) -> None:
     if plain is not out:
         out[:] = plain
     _check_digest(delta, out, where)
+
+
+def raw_bits(delta: TensorDelta, where: str) -> np.ndarray | None:
+    """A ``FULL`` or ``GRAD`` chunk (already passed ``check_chunk``) stored uncompressed:
+    its bits as a read-only view of the payload, digest checked; ``None`` for any other
+    chunk. Saves a copy where the bits are only read (a replayed step's gradient)."""
+    if delta.compression != "none" or delta.encoding not in _BITS:
+        return None
+    plain = _plain(delta, where, _EMPTY)
+    _check_digest(delta, plain, where)
+    return plain
+
+
+_EMPTY = np.empty(0, dtype=np.uint8)
 
 
 def _plain(delta: TensorDelta, where: str, out: np.ndarray) -> np.ndarray:

@@ -334,12 +334,17 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
     assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
 
 
+@pytest.mark.parametrize("compression", ["none", "blosc2-lz4"])
 @pytest.mark.parametrize("defer", [True, False], ids=["batched", "step-by-step"])
-def test_a_damaged_gradient_chunk_is_refused_naming_its_place(tmp_path: Any, defer: bool) -> None:
-    """Gradients are lz4 chunks; batched replays decompress them late, inside a tile. A
-    flipped byte must still fail with the chunk's run, shard, offset and tensor."""
+def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, defer: bool, compression: str,
+) -> None:
+    """Batched replays read gradients late, inside a tile: a raw one as a view of its
+    message, an lz4 one decompressed. A flipped byte must still fail with the chunk's run,
+    shard, offset and tensor, and the step must not run on the damaged gradient."""
     import sqlite3
 
+    monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
     db = tmp_path / "rewind.db"
     address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "grads")
     live = Live(address, OPTIMIZERS["adam"])
@@ -350,9 +355,9 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(tmp_path: Any, def
         rows = c.execute("SELECT partition, offset, value FROM records WHERE run='grads' AND partition>=0").fetchall()
         grads = [(p, o, bytes(v), body) for p, o, v in rows
                  if isinstance(body := serde.decode(bytes(v)).body, TensorDelta) and body.encoding == "GRAD"]
-        # lz4 (a chunk lz4 cannot shrink is stored raw)
-        assert {g[3].compression for g in grads} <= {"blosc2-lz4", "none"}
-        partition, offset, value, delta = max((g for g in grads if g[3].compression == "blosc2-lz4"),
+        # (a chunk lz4 cannot shrink is stored raw)
+        assert {g[3].compression for g in grads} <= {compression, "none"}
+        partition, offset, value, delta = max((g for g in grads if g[3].compression == compression),
                                               key=lambda g: len(g[3].payload))
         damaged = bytearray(value)
         damaged[value.rfind(delta.payload) + 3 * len(delta.payload) // 4] ^= 0x5A
