@@ -38,8 +38,11 @@ class EnvelopeDeserializer:
     """Decodes single-object messages of any known schema version; ``(bytes, where) -> Envelope``."""
 
     def __init__(self) -> None:
-        self._current = schemas.load()
         self._known = schemas.by_fingerprint()
+        # The very object ``_known`` holds, so that ``writer is self._current`` below holds
+        # for current messages: ``schemas.load()`` and ``load(3)`` are equal but distinct,
+        # and fastavro then resolved every current message against its own schema.
+        self._current = self._known[schemas.load().fingerprint]
 
     def __call__(self, data: bytes, where: str = "message") -> Envelope:
         if len(data) < HEADER_BYTES or data[:2] != MAGIC:
