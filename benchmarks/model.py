@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +134,33 @@ def save_checkpoint(work: Workload, path: str, *, fsync: bool) -> float:
             f.flush()
             os.fsync(f.fileno())
     return time.perf_counter() - t0
+
+
+class BusScaling:
+    """How much a second core adds to memory-bound work on this machine: two threads each
+    copying their own buffers, against one thread copying both (all pages touched first).
+    A replay streams gigabytes of records and state; this ratio caps what a second worker
+    can gain on that part of its work."""
+
+    def __init__(self, nbytes: int = 256 * 1024 * 1024) -> None:
+        self._src = [np.ones(nbytes, dtype=np.uint8) for _ in range(2)]
+        self._dst = [np.ones(nbytes, dtype=np.uint8) for _ in range(2)]  # touched, unlike zeros
+
+    def _copy(self, i: int) -> None:
+        np.copyto(self._dst[i], self._src[i])  # numpy releases the GIL for the copy
+
+    def __call__(self) -> float:
+        """The speedup of 2 threads over 1 for one round of copies."""
+        t0 = time.perf_counter()
+        self._copy(0)
+        self._copy(1)
+        t1 = time.perf_counter()
+        threads = [threading.Thread(target=self._copy, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return (t1 - t0) / (time.perf_counter() - t1)
 
 
 class MemcpyFloor:

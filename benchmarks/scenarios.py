@@ -36,7 +36,7 @@ from eventlog import Recorder, RunAddress, Target
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 
-from .model import MemcpyFloor, Workload, save_checkpoint
+from .model import BusScaling, MemcpyFloor, Workload, save_checkpoint
 
 MB = 1e6  # every MB/s figure is 10^6 bytes per second
 
@@ -281,6 +281,10 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         for _ in range(max(5, cfg.repeats)):
             loads.append(_timed(["load", r.last_checkpoint])["seconds"])
         cfg.log(f"  torch.load(weights_only=True): {med(loads):.2f} s")
+    bus = BusScaling()
+    bus_speedups = [bus() for _ in range(repeats)]
+    del bus
+    cfg.log(f"  memory copy, 2 threads vs 1: {med(bus_speedups):.2f}x")
     w1, w2, load = med(times[1]), med(times[2]), med(loads)
     s0 = med(snap_only)
     tail = report.tail_versions
@@ -307,11 +311,14 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         # bytes does, and each tail version at least the optimizer step the trainer ran.
         "optimizer_step_s": step_s,
         "floor_ratio_vs_torch_load": _ratio(load + tail * step_s, load) if load and step_s else None,
+        # The memory bus's own 2-thread speedup, measured in the same run: the ceiling of
+        # the replay's memory-bound part (reading records, hashing, streaming the state).
+        "bus_speedup_2_vs_1": med(bus_speedups),
         "fresh_process": True,
         "bit_exact": True,
         "repeats": repeats,
         "samples": {"workers_1": times[1], "workers_2": times[2], "torch_load": loads,
-                    "snapshot_only_2_workers": snap_only},
+                    "snapshot_only_2_workers": snap_only, "bus_speedup_2_vs_1": bus_speedups},
     }
 
 

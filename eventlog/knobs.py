@@ -54,6 +54,9 @@ REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 256 * 1024**2)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).
 REPLAY_TILE_BYTES = _int("REPLAY_TILE_BYTES", 4 * 1024 * 1024)
+#: Seconds a committed version may wait in the embedded log's WAL for the next commit()'s
+#: maintenance window before it is checkpointed into the database anyway.
+CHECKPOINT_IDLE_S = float(os.environ.get("REWIND_CHECKPOINT_IDLE_S") or 5.0)
 #: Upper bound on any single decoded tensor (bytes); a forged shape above it is rejected.
 MAX_TENSOR_BYTES = _int("MAX_TENSOR_BYTES", 64 * 1024**3)
 #: Upper bound on one msgpack small state (bytes).

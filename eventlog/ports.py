@@ -49,9 +49,14 @@ class LogWriter(abc.ABC):
         Raises ``FencedError`` at commit if a newer writer with the same id took over.
         """
 
+    def maintenance_window(self) -> None:
+        """A hint that the caller's latency-critical work is done (the recorder calls it
+        right after ``commit()`` has copied the state): deferred maintenance may run now.
+        Does nothing unless a backend has such work."""
+
     @abc.abstractmethod
     def close(self) -> None:
-        """Release the writer's resources."""
+        """Release the writer's resources (after any deferred maintenance)."""
 
 
 class EventLog(abc.ABC):

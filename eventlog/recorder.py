@@ -228,6 +228,9 @@ class Recorder:
                 buf = staged[name] = torch.empty(len(bits), dtype=torch.uint8).numpy()
             # torch's copy runs on its intra-op threads (numpy's copy on one core).
             torch.from_numpy(buf).copy_(torch.from_numpy(bits))
+        # The copy is done: the log's deferred maintenance (e.g. a WAL checkpoint) may now
+        # use the memory bus without slowing it.
+        self._writer.maintenance_window()
         for name in list(staged):
             if name not in tensors:
                 del staged[name]
