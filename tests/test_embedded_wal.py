@@ -37,13 +37,18 @@ def _commit_one(writer: Any) -> None:
         txn.append(0, RECORD)
 
 
-def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 3600.0)
+def _open(tmp_path: Path) -> tuple[Path, EmbeddedLog, Any, int]:
+    """A fresh one-shard log, its writer, and the database's size before any record."""
     db = tmp_path / "rewind.db"
     log = EmbeddedLog(f"sqlite://{db}", "wal")
     log.create(1)
     writer = log.writer("w")
-    start = db.stat().st_size
+    return db, log, writer, db.stat().st_size
+
+
+def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 3600.0)
+    db, log, writer, start = _open(tmp_path)
     _commit_one(writer)
     assert not _grows(db, start + len(RECORD) // 2, within_s=0.5), "checkpointed before any window"
     assert [r.value for r in log.read(0)] == [RECORD]  # readable (and durable) from the WAL
@@ -60,11 +65,7 @@ def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch
 
 def test_without_a_window_the_idle_deadline_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 0.5)
-    db = tmp_path / "rewind.db"
-    log = EmbeddedLog(f"sqlite://{db}", "wal")
-    log.create(1)
-    writer = log.writer("w")
-    start = db.stat().st_size
+    db, log, writer, start = _open(tmp_path)
     _commit_one(writer)
     assert _grows(db, start + len(RECORD) // 2, within_s=10), "the idle deadline did not checkpoint"
     writer.close()
