@@ -39,7 +39,8 @@ from .events import OptimizerStep, TensorDelta
 
 # Gradients stored uncompressed are handed to the optimizer as read-only views of their
 # message (``_decode``); torch warns once that it cannot mark such a tensor read-only.
-# The optimizer never writes a gradient, so the warning would only alarm users.
+# The warning would only alarm users: torch's Adam, AdamW and SGD write a gradient only to
+# unscale it by ``grad_scale``, and ``optimstep`` always passes ``grad_scale=None``.
 warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
 
 if TYPE_CHECKING:

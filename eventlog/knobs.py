@@ -19,7 +19,8 @@ ZSTD_LEVEL = _int("ZSTD_LEVEL", 1)
 #: Compression of logged gradients: ``none`` (default), ``blosc2-lz4`` or ``blosc2-zstd``.
 #: Gradients are mostly noisy mantissas: lz4 saves 5% of their bytes and zstd 15%, but
 #: every replayed version must then decompress a whole gradient, while a raw one is handed
-#: to the optimizer as a view of its message (README, "Gradient codec").
+#: to the optimizer as a view of its message (README, "Tensor codec and the compressor
+#: measurement").
 GRAD_COMPRESSION = os.environ.get("REWIND_GRAD_COMPRESSION") or "none"
 #: Threads that encode and decode chunks (0: one per core).
 CODEC_THREADS = _int("CODEC_THREADS", 0)
