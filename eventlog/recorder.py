@@ -390,7 +390,7 @@ class Recorder:
         enc = residual + (prediction.grad_bytes if prediction else 0)
         if prediction:
             codec = (f"predictive/{self._plan.optimizer} x{prediction.steps} "  # type: ignore[union-attr]
-                     "+ residual/blosc2-zstd")
+                     f"+ gradients/{knobs.GRAD_COMPRESSION} + residual/blosc2-zstd")
         else:
             codec = f"xor-delta/blosc2-zstd (not predictive: {why_not})"
         control.append(CommitSealed(

@@ -187,7 +187,8 @@ def test_two_steps_per_commit_are_predictive_and_three_fall_back(address: RunAdd
     three = live.train(3, between=lambda: held.extend(len(s.grads) for s in live.rec._steps.steps))  # type: ignore[union-attr]
     after = live.train(1)
     live.rec.close()
-    assert two.encoding == "predictive/AdamW x2 + residual/blosc2-zstd" and two.residual_bytes == 0
+    assert two.encoding == "predictive/AdamW x2 + gradients/none + residual/blosc2-zstd"
+    assert two.residual_bytes == 0
     assert "not predictive: 3 optimizer steps since the last commit" in three.encoding
     assert held == [0, 0, 0], "past the limit no gradient is kept alive"
     assert after.encoding.startswith("predictive/") and after.residual_bytes == 0
