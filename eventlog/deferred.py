@@ -37,11 +37,26 @@ from . import optimstep, tensorcodec
 from .errors import IntegrityError, RewindError
 from .events import OptimizerStep, TensorDelta
 
-# Gradients stored uncompressed are handed to the optimizer as read-only views of their
-# message (``_decode``); torch warns once that it cannot mark such a tensor read-only.
-# The warning would only alarm users: torch's Adam, AdamW and SGD write a gradient only to
-# unscale it by ``grad_scale``, and ``optimstep`` always passes ``grad_scale=None``.
-warnings.filterwarnings("ignore", message="The given NumPy array is not writable", category=UserWarning)
+#: Optimizers whose step only reads its gradients (torch's Adam and AdamW write one only to
+#: unscale it by ``grad_scale``, which ``optimstep`` never passes). Their raw gradients are
+#: handed over as read-only views of the message. SGD gets a copy in the tile buffer: its
+#: foreach nesterov path adds the momentum into the gradient. (The recorder logs such a
+#: step as XOR deltas, as it sees the gradients change, but the replaying torch may differ.)
+_READS_GRADS_ONLY = frozenset({"Adam", "AdamW"})
+
+
+def _consume_readonly_warning() -> None:
+    """torch warns once per process, from one place, that it cannot make a tensor over
+    read-only memory read-only. The gradient views above are only read, so that warning
+    is consumed here, at import (one thread), where a ``-W error`` setting cannot turn a
+    replay into a failure. The cost: a later ``torch.from_numpy`` of a read-only array in
+    the same process does not warn either."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.from_numpy(np.frombuffer(b"\0" * 4, dtype=np.uint8))
+
+
+_consume_readonly_warning()
 
 if TYPE_CHECKING:
     from .apply import TensorBits
@@ -49,7 +64,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class GradChunks:
-    """The compressed gradient chunks of one param, kept until its step runs."""
+    """The gradient chunks of one param, as logged, kept until its step runs."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -90,7 +105,7 @@ class _Tile:
 
 
 class DeferredSteps:
-    """Optimizer steps and their compressed gradients, waiting to be replayed as one batch."""
+    """Optimizer steps and their logged gradients, waiting to be replayed as one batch."""
 
     def __init__(self) -> None:
         self._grads: dict[str, GradChunks] = {}  # gradients of the step not logged yet
@@ -105,7 +120,7 @@ class DeferredSteps:
         return bool(self.steps)
 
     def add_grad(self, delta: TensorDelta, where: str) -> None:
-        """Keep one ``GRAD`` chunk (validated now, decompressed when its step runs)."""
+        """Keep one ``GRAD`` chunk (validated now, decoded when its step runs)."""
         shape = tuple(delta.shape)
         total = tensorcodec.nbytes_of(delta.dtype, shape, where)
         tensorcodec.torch_dtype(delta.dtype, where)
@@ -237,7 +252,8 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
         params, grads, tile_states, groups = [], [], [], []
         at = 0
         for tile in members:
-            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes])
+            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes],
+                          view_ok=step.body.optimizer in _READS_GRADS_ONLY)
             at += tile.nbytes
             param = tensors[tile.param]
             shape = param.shape if tile.whole else (tile.stop - tile.start,)
@@ -261,10 +277,10 @@ def _slice(t: TensorBits, tile: _Tile) -> torch.Tensor:
     return view if tile.whole else view.reshape(-1)[tile.start:tile.stop]
 
 
-def _decode(grad: GradChunks, tile: _Tile, out: np.ndarray) -> np.ndarray:
-    """The tile's gradient bits, digest checked: the payload itself for one uncompressed
-    chunk, else its chunks decompressed into ``out``."""
-    if len(tile.chunks) == 1:
+def _decode(grad: GradChunks, tile: _Tile, out: np.ndarray, view_ok: bool) -> np.ndarray:
+    """The tile's gradient bits, digest checked: with ``view_ok``, the payload itself for
+    one uncompressed chunk; else its chunks copied or decompressed into ``out``."""
+    if view_ok and len(tile.chunks) == 1:
         delta, where = grad.chunks[tile.chunks[0]]
         raw = tensorcodec.raw_bits(delta, where)
         if raw is not None:

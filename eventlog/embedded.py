@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import sqlite3
 import threading
 import time
@@ -23,6 +24,7 @@ from typing import Any, ParamSpec, TypeVar
 
 from . import knobs
 from .errors import (
+    ConfigError,
     CoordinationError,
     CorruptStoreError,
     EventLogError,
@@ -30,7 +32,7 @@ from .errors import (
     RewindError,
     StaleVersionError,
 )
-from .ports import Coordinator, EventLog, LogTransaction, LogWriter, Record
+from .ports import CONTROL, Coordinator, EventLog, LogTransaction, LogWriter, Record
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -229,17 +231,23 @@ class _Checkpointer:
     A checkpoint reads back and rewrites everything the last commit wrote (400 MB per
     version at 100M params). Run right after that commit, it shared the memory bus with the
     training thread's copy of the next version's state, and made ``commit()`` 20-40%
-    slower on 2 cores. So a committed transaction only marks a checkpoint as due; it runs
+    slower on 2 cores. So a committed transaction only marks a checkpoint as due. It runs
     at the writer's next maintenance window (right after the next ``commit()`` has copied
-    its state), after ``idle_s`` seconds without one, or when the writer closes.
+    its state), ``idle_s`` seconds after the first commit it has not covered, or when the
+    writer closes. A checkpoint that a reader kept from finishing is due again ``idle_s``
+    later.
     """
 
     def __init__(self, db: _Database, idle_s: float) -> None:
+        if not (math.isfinite(idle_s) and idle_s >= 0):
+            raise ConfigError(f"REWIND_CHECKPOINT_IDLE_S must be a finite number of seconds >= 0, got {idle_s}")
         self._db, self._idle_s = db, idle_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._due: float | None = None  # monotonic deadline of the pending checkpoint
         self._now = self._stopping = False
+        #: Checkpoints run so far (tests wait on it).
+        self.runs = 0
         self._thread = threading.Thread(target=self._run, name="rewind-wal-checkpoint", daemon=True)
         self._thread.start()
 
@@ -251,24 +259,26 @@ class _Checkpointer:
         self._wake.set()
 
     def window(self) -> None:
-        """Run a pending checkpoint now."""
+        """Let a pending checkpoint start now (it runs in the background thread)."""
         with self._lock:
             self._now = self._due is not None
         self._wake.set()
 
     def stop(self) -> None:
-        """Run a pending checkpoint, then end the thread."""
-        self._stopping = True
+        """Run the pending checkpoint, if any, then end the thread."""
+        with self._lock:
+            self._stopping = True
         self._wake.set()
         self._thread.join(timeout=60)
 
-    def _take(self) -> bool:
-        """Whether a checkpoint should run now (and, if so, it is no longer pending)."""
+    def _take(self) -> tuple[bool, bool]:
+        """Whether a checkpoint runs now (it is then no longer pending), and whether this
+        is the last round; decided together, so a stop never skips a pending checkpoint."""
         with self._lock:
-            due = self._due is not None and (self._now or self._stopping or time.monotonic() >= self._due)
-            if due:
+            run = self._due is not None and (self._now or self._stopping or time.monotonic() >= self._due)
+            if run:
                 self._due, self._now = None, False
-            return due
+            return run, self._stopping
 
     def _run(self) -> None:
         conn = self._db.connect()
@@ -278,21 +288,32 @@ class _Checkpointer:
                     wait = None if self._due is None else max(0.0, self._due - time.monotonic())
                 self._wake.wait(wait)
                 self._wake.clear()
-                if self._take():
-                    try:
-                        conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
-                    except sqlite3.Error:
-                        pass  # a busy database: the next commit asks again
-                if self._stopping:
+                run, last = self._take()
+                if run:
+                    self._checkpoint(conn)
+                if last:
                     return
         finally:
             conn.close()
+
+    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+        try:
+            busy, frames, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        except sqlite3.Error:
+            busy, frames, copied = 1, 1, 0  # a busy database
+        with self._lock:
+            self.runs += 1
+            if (busy or copied < frames) and self._due is None and not self._stopping:
+                self._due = time.monotonic() + self._idle_s  # a reader held frames: retry
 
 
 class EmbeddedLog(EventLog):
     """A run's log in a SQLite file."""
 
-    scan_batch = knobs.EMBEDDED_READ_BATCH
+    def scan_batch(self, partition: int) -> int:
+        # Shard records are 4 MiB chunks, one per call (see the knob); control records
+        # are small, and many per call save a transaction each.
+        return knobs.READ_BATCH if partition == CONTROL else knobs.EMBEDDED_READ_BATCH
 
     def __init__(self, url: str, run_id: str) -> None:
         self.url, self.run_id = url, run_id

@@ -130,7 +130,7 @@ def events(
 ) -> Iterator[tuple[int, int, Envelope]]:
     """``(offset, message bytes, event)`` of a partition, checking each event's run id."""
     where_p = "control" if partition == CONTROL else f"shard {partition}"
-    for rec in log.scan(partition, gt=gt, lte=lte, batch=log.scan_batch):
+    for rec in log.scan(partition, gt=gt, lte=lte, batch=log.scan_batch(partition)):
         where = f"run {log.run_id!r} {where_p} offset {rec.offset}"
         env = serde.decode(rec.value, where)
         if env.run_id != log.run_id:

@@ -32,7 +32,7 @@ SHARDS = _int("SHARDS", 2)
 #: fold that stops at its target version reads little past it; each call asks the broker
 #: for the partition's offsets first).
 READ_BATCH = _int("READ_BATCH", 16)
-#: Records read per call while folding an embedded partition. A read costs no round trip,
+#: Records read per call while folding an embedded shard partition. A read costs no round trip,
 #: and every record arrives as a new 4 MiB object: with fewer alive at once, the allocator
 #: reuses memory it already holds instead of faulting in fresh pages (a 100M replay took
 #: 620K page faults instead of 746K, and 8-10% less time).

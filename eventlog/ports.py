@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import knobs
+from .errors import ConfigError
 from .events import CONTROL_SHARD
 
 CONTROL = CONTROL_SHARD
@@ -64,8 +65,6 @@ class EventLog(abc.ABC):
 
     run_id: str
     url: str
-    #: Records per ``read`` call when a fold scans a partition (``scan(batch=...)``).
-    scan_batch: int = knobs.READ_BATCH
 
     @abc.abstractmethod
     def create(self, shards: int) -> None:
@@ -102,6 +101,10 @@ class EventLog(abc.ABC):
     def close(self) -> None:
         """Release connections."""
 
+    def scan_batch(self, partition: int) -> int:
+        """Records per ``read`` call when a fold scans ``partition`` (``scan(batch=...)``)."""
+        return knobs.READ_BATCH
+
     def partitions(self) -> list[int]:
         """Control first, then every shard partition."""
         return [CONTROL, *range(self.shard_count() or 0)]
@@ -111,6 +114,9 @@ class EventLog(abc.ABC):
         batch: int = 256,
     ) -> Iterator[Record]:
         """Every committed record of ``partition`` in ``(gt, lte]``, fetched in batches."""
+        if batch < 1:
+            raise ConfigError(f"a log read batch must be at least 1 record (REWIND_READ_BATCH, "
+                              f"REWIND_EMBEDDED_READ_BATCH), got {batch}")
         cursor = gt
         while True:
             records = self.read(partition, gt=cursor, lte=lte, limit=batch)

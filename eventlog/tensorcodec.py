@@ -162,7 +162,8 @@ def encode_chunk(
 ) -> EncodedChunk | None:
     """Encode one chunk of new bits against the previous bits; ``None`` if nothing changed.
 
-    ``compression`` names the blosc2 codec (a chunk that does not shrink is stored raw)."""
+    ``compression`` is ``none`` (raw) or a blosc2 codec (a chunk that does not shrink is
+    stored raw)."""
     if prev is not None:
         delta = np.bitwise_xor(new, prev)
         if not delta.any():  # unchanged: nothing to write (one pass fewer than comparing first)

@@ -3,7 +3,7 @@
 A committed version is durable in the WAL. Copying it into the database (a checkpoint)
 rewrites every byte of it, so it waits for the recorder's next maintenance window (right
 after ``commit()`` has copied the state), an idle deadline, or the writer's close. The
-database file's size shows whether a checkpoint has run.
+checkpointer counts the checkpoints it ran; the database file's size shows their effect.
 """
 
 from __future__ import annotations
@@ -19,17 +19,20 @@ import torch
 
 from eventlog import Recorder, RunAddress, knobs
 from eventlog.embedded import EmbeddedLog
+from eventlog.errors import ConfigError
 
-RECORD = os.urandom(1 << 20)  # incompressible: the database grows by about this much
+RECORD = os.urandom(1 << 20)  # incompressible: a checkpoint grows the database by as much
 
 
-def _grows(db: Path, above: int, within_s: float) -> bool:
+def _runs(writer: Any) -> int:
+    return int(writer._checkpoint.runs)
+
+
+def _wait_runs(writer: Any, n: int, within_s: float = 10.0) -> int:
     deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        if db.stat().st_size > above:
-            return True
-        time.sleep(0.05)
-    return db.stat().st_size > above
+    while _runs(writer) < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return _runs(writer)
 
 
 def _commit_one(writer: Any) -> None:
@@ -37,27 +40,29 @@ def _commit_one(writer: Any) -> None:
         txn.append(0, RECORD)
 
 
-def _open(tmp_path: Path) -> tuple[Path, EmbeddedLog, Any, int]:
-    """A fresh one-shard log, its writer, and the database's size before any record."""
+def _open(tmp_path: Path) -> tuple[Path, EmbeddedLog, Any]:
+    """A fresh one-shard log and its writer."""
     db = tmp_path / "rewind.db"
     log = EmbeddedLog(f"sqlite://{db}", "wal")
     log.create(1)
-    writer = log.writer("w")
-    return db, log, writer, db.stat().st_size
+    return db, log, log.writer("w")
 
 
 def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 3600.0)
-    db, log, writer, start = _open(tmp_path)
+    db, log, writer = _open(tmp_path)
     _commit_one(writer)
-    assert not _grows(db, start + len(RECORD) // 2, within_s=0.5), "checkpointed before any window"
+    time.sleep(0.3)
+    assert _runs(writer) == 0, "checkpointed before any window"
     assert [r.value for r in log.read(0)] == [RECORD]  # readable (and durable) from the WAL
     writer.maintenance_window()
-    assert _grows(db, start + len(RECORD) // 2, within_s=10), "the window did not checkpoint"
+    assert _wait_runs(writer, 1) == 1, "the window did not checkpoint"
     size = db.stat().st_size
+    assert size >= len(RECORD)
     _commit_one(writer)
     writer.close()  # the pending checkpoint runs before close returns
-    assert db.stat().st_size > size + len(RECORD) // 2
+    assert _runs(writer) == 2
+    assert db.stat().st_size >= size + len(RECORD)
     log.close()
     with sqlite3.connect(db) as c:
         assert c.execute("SELECT COUNT(*) FROM records WHERE run='wal'").fetchone() == (2,)
@@ -65,24 +70,37 @@ def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch
 
 def test_without_a_window_the_idle_deadline_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 0.5)
-    db, log, writer, start = _open(tmp_path)
+    _, log, writer = _open(tmp_path)
     _commit_one(writer)
-    assert _grows(db, start + len(RECORD) // 2, within_s=10), "the idle deadline did not checkpoint"
+    assert _wait_runs(writer, 1) == 1, "the idle deadline did not checkpoint"
     writer.close()
+    assert _runs(writer) == 1  # nothing was pending at close
     log.close()
 
 
-def test_the_recorder_opens_the_window_after_its_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Version 1's checkpoint runs only once version 2's commit() has copied the state."""
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
+def test_a_bad_idle_deadline_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: float) -> None:
+    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", bad)
+    db = tmp_path / "rewind.db"
+    log = EmbeddedLog(f"sqlite://{db}", "wal")
+    log.create(1)
+    with pytest.raises(ConfigError, match="REWIND_CHECKPOINT_IDLE_S"):
+        log.writer("w")
+    log.close()
+
+
+def test_the_recorder_opens_a_window_at_each_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 1's checkpoint waits for version 2's commit()."""
     monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 3600.0)
     db = tmp_path / "rewind.db"
     address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "wal-rec")
     model = torch.nn.Linear(512, 512)
     with Recorder(address, model) as rec:
         rec.commit(1, wait=True)
-        size = db.stat().st_size
-        assert not _grows(db, size + 512 * 512 * 4 // 2, within_s=0.5)
+        time.sleep(0.3)
+        writer = rec._writer
+        assert _runs(writer) == 0
         with torch.no_grad():
             model.weight.add_(1.0)
         rec.commit(2, wait=True)
-        assert _grows(db, size + 512 * 512 * 4 // 2, within_s=10)
+        assert _wait_runs(writer, 1) >= 1

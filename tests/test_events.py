@@ -459,14 +459,6 @@ def test_current_writer_still_produces_its_golden_bytes() -> None:
         assert serde.encode(serde.decode(data)) == data, kind
 
 
-if os.environ.get("REWIND_REGEN_GOLDEN") == "1":
-    regenerate_golden()
-
-if __name__ == "__main__":
-    regenerate_golden()
-    print(f"wrote {len(BODY_TYPES)} golden messages to {CURRENT_DIR}")
-
-
 def test_current_messages_decode_without_schema_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
     """A message in the current schema is read with its own schema alone; only older
     versions are resolved (resolution walks every field of every message: a replay reads
@@ -483,6 +475,13 @@ def test_current_messages_decode_without_schema_resolution(monkeypatch: pytest.M
     monkeypatch.setattr(fastavro, "schemaless_reader", spy)
     env = Envelope("run", 1, 1, 1, 0, "w", 0, Metrics({"loss": 1.0}))
     assert serde.EnvelopeDeserializer()(serde.encode(env)) == env
-    old = (Path(__file__).parent / "data" / "v1").glob("*.bin")
-    serde.EnvelopeDeserializer()(next(iter(sorted(old))).read_bytes())
+    serde.EnvelopeDeserializer()(sorted(GOLDEN_DIR.glob("*.bin"))[0].read_bytes())
     assert readers[0] is None and readers[1] is not None, readers
+
+
+if os.environ.get("REWIND_REGEN_GOLDEN") == "1":
+    regenerate_golden()
+
+if __name__ == "__main__":
+    regenerate_golden()
+    print(f"wrote {len(BODY_TYPES)} golden messages to {CURRENT_DIR}")

@@ -298,6 +298,20 @@ def test_gradients_without_a_version_counter_fall_back_and_never_break_the_step(
     live.assert_every_version_replays_exactly(address)
 
 
+def test_a_step_that_writes_its_gradients_is_not_predicted(address: RunAddress) -> None:
+    """foreach nesterov SGD adds the momentum into each gradient in place. The recorder
+    sees the gradients' version counters move during the step and logs XOR deltas instead
+    (so a replay never runs a step whose gradients differ from the ones logged), and every
+    version replays exactly."""
+    live = Live(address, lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, foreach=True))
+    for _ in range(4):
+        live.train(1)
+    live.rec.close()
+    assert all("not predictive: a gradient was changed in place" in r.encoding for r in live.results[1:]), \
+        [r.encoding for r in live.results]
+    live.assert_every_version_replays_exactly(address)
+
+
 @pytest.mark.parametrize("kind", ["adam", "adam-foreach-amsgrad", "adam-fused", "sgd-nesterov"])
 def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
     address: RunAddress, kind: str, monkeypatch: pytest.MonkeyPatch
@@ -342,7 +356,7 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
 ) -> None:
     """Batched replays read gradients late, inside a tile: a raw one as a view of its
     message, an lz4 one decompressed. A flipped byte must still fail with the chunk's run,
-    shard, offset and tensor, and the step must not run on the damaged gradient."""
+    shard, offset and tensor."""
     import sqlite3
 
     monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
