@@ -249,11 +249,11 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
             continue
         scratch = _scratch(sum(t.nbytes for t in members))
         index = {n: i for i, n in enumerate(step.body.params)}
+        view_ok = step.body.optimizer in _READS_GRADS_ONLY
         params, grads, tile_states, groups = [], [], [], []
         at = 0
         for tile in members:
-            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes],
-                          view_ok=step.body.optimizer in _READS_GRADS_ONLY)
+            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes], view_ok)
             at += tile.nbytes
             param = tensors[tile.param]
             shape = param.shape if tile.whole else (tile.stop - tile.start,)
