@@ -36,9 +36,10 @@ DTYPES: dict[str, torch.dtype] = {
     )
 }
 COMPRESSIONS = ("none", "blosc2-zstd", "blosc2-lz4")
-#: blosc2's codec behind each compression name. zstd packs state deltas best; gradients
-#: (mostly noisy mantissas) gain 10% from it but decompress twice as slowly as with lz4,
-#: and every replayed version decompresses a whole gradient (README, "Tensor codec").
+#: blosc2's codec behind each compression name. zstd packs state deltas best. Gradients
+#: (mostly noisy mantissas) are logged raw by default (``knobs.GRAD_COMPRESSION``): every
+#: replayed version reads a whole gradient, and compression saves them only 5-15% (README,
+#: "Tensor codec and the compressor measurement").
 _CODECS = {"blosc2-zstd": blosc2.Codec.ZSTD, "blosc2-lz4": blosc2.Codec.LZ4}
 # python-blosc2 keeps the GIL while it (de)compresses unless told otherwise; chunks are
 # encoded and decoded in thread pools, so without this they would run one at a time.
@@ -277,23 +278,24 @@ def raw_bits(delta: TensorDelta, where: str) -> np.ndarray | None:
     chunk. Saves a copy where the bits are only read (a replayed step's gradient)."""
     if delta.compression != "none" or delta.encoding not in _BITS:
         return None
-    plain = _plain(delta, where, _EMPTY)
+    plain = _raw(delta, where)
     _check_digest(delta, plain, where)
     return plain
 
 
-_EMPTY = np.empty(0, dtype=np.uint8)
+def _raw(delta: TensorDelta, where: str) -> np.ndarray:
+    """An uncompressed chunk's payload as read-only bytes, its length checked."""
+    if len(delta.payload) != delta.byte_length:
+        raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {delta.byte_length}")
+    return np.frombuffer(delta.payload, dtype=np.uint8)
 
 
 def _plain(delta: TensorDelta, where: str, out: np.ndarray) -> np.ndarray:
     """The chunk's plain bytes: its raw payload, or its payload decompressed into ``out``."""
-    n = delta.byte_length
     if delta.compression == "none":
-        if len(delta.payload) != n:
-            raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {n}")
-        return np.frombuffer(delta.payload, dtype=np.uint8)
+        return _raw(delta, where)
     if delta.compression in _CODECS:
-        return _decompress(delta.payload, n, where, out=out)
+        return _decompress(delta.payload, delta.byte_length, where, out=out)
     raise CorruptMessageError(f"{where}: unknown compression {delta.compression!r}")
 
 
