@@ -11,10 +11,12 @@ import base64
 import fcntl
 import os
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from eventlog import RewindError, serde
+from eventlog.apply import ShardState
 from eventlog.digests import small_digest
 from eventlog.events import RunStarted, SnapshotBegin, SnapshotEnd
 from eventlog.fold import ControlIndex, FoldStart
@@ -122,13 +124,18 @@ def load_start(
             f"snapshot {marker.snapshot_id}: manifest digests differ from the seal of "
             f"version {manifest.version}"
         )
-    for state in shards:
+
+    def check(state: ShardState) -> None:
         if state.digest(layout.tensors, layout.chunk_bytes).hex() != manifest.shard_digests[state.shard]:
             raise SnapshotCorruptError(
                 f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the sealed "
                 f"state of version {manifest.version}"
             )
         state.next_offset = manifest.next_offsets[state.shard + 1]
+
+    # One shard per worker: hashing releases the GIL, and every shard's bits are hashed.
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(check, shards))
     if small_digest(small.states).hex() != manifest.small_digest:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id}: small states do not match")
     small.next_offset = manifest.next_offsets[0]

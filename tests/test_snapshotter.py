@@ -133,6 +133,39 @@ def test_corruption_is_named_and_recovery_falls_back(run: RunAddress) -> None:
     trainer.rec.close()
 
 
+def test_a_snapshot_whose_bits_do_not_rebuild_its_seal_is_passed_over(
+        run: RunAddress, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot file that passes its checksum but holds other bits than the sealed state
+    (a snapshotter bug: what it wrote is what it meant to write, but wrong) is named and
+    passed over, and the replay falls back to the older snapshot plus a longer tail."""
+    from snapshotter import store as store_module
+
+    trainer = Trainer(run)
+    ids = []
+    with _snapshotter(run) as snap:
+        for _ in range(2):
+            trainer.train(3)
+            ids.append(snap.snapshot(force=True).snapshot_id)  # type: ignore[union-attr]
+    trainer.train(2)
+    parse = store_module.load_shard_file
+
+    def misparse(data: object, shard: int, where: str) -> dict:
+        tensors = parse(data, shard, where)  # type: ignore[arg-type]
+        if ids[1] in where and shard == 1:
+            first = next(t for t in tensors.values() if t.bits.size)
+            first.bits[0] ^= 0x01  # one bit of shard 1, in the newest snapshot only
+        return tensors
+
+    monkeypatch.setattr(store_module, "load_shard_file", misparse)
+    model, report = _model_at(run, Target())
+    assert _bit_equal(model, trainer.states[trainer.step - 1])
+    reasons = dict(report.passed_over)  # type: ignore[attr-defined]
+    assert reasons.keys() == {ids[1]}
+    assert "shard 1 does not rebuild the sealed state of version 6" in reasons[ids[1]]
+    assert report.snapshot is not None and ids[0] in report.snapshot  # type: ignore[attr-defined]
+    trainer.rec.close()
+
+
 def _flip(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x40
