@@ -191,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
                          "(default 3, or 2 from 50M parameters up to stay under 10 minutes)")
     ap.add_argument("--versions", type=int, default=20,
                     help="versions committed after the FULL one (commit medians are over them)")
+    ap.add_argument("--tail", type=int, default=10,
+                    help="versions after the snapshot that recovery replays (default 10; at most "
+                         "half of --versions). E.g. --versions 49 --tail 10: a 50-version log")
     ap.add_argument("--warmup-steps", type=int, default=100,
                     help="Adam steps before the first commit (the bytes target is after 100)")
     ap.add_argument("--codec-steps", type=int, default=100,
@@ -218,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     params = parse_size(args.size)
     repeats = args.repeats if args.repeats is not None else (3 if params < 50_000_000 else 2)
     cfg = Config(
-        params=params, repeats=max(1, repeats), versions=args.versions,
+        params=params, repeats=max(1, repeats), versions=args.versions, tail=args.tail,
         warmup_steps=args.warmup_steps, workdir=args.workdir, keep=args.keep,
         kafka=args.kafka, redis=args.redis, kafka_home=args.kafka_home, only=only, log=log,
         codec_steps=args.codec_steps,

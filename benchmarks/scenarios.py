@@ -4,8 +4,9 @@ One fp32 recording run feeds four scenarios: after the warm-up steps, version 1 
 committed, then ``versions`` versions of one real Adam step each. For every version the
 training thread's blocked time in ``commit()``, the time until it is durable, and its
 raw/encoded bytes are recorded; the same state is then ``torch.save``d (timed to the page
-cache, then the fsync) and memory-copied into preallocated buffers. Halfway a snapshot is
-written, so the run ends as "newest snapshot + a ``versions/2``-version tail", which the
+cache, then the fsync) and memory-copied into preallocated buffers. A snapshot is
+written ``tail`` versions before the end (10 by default, at most ``versions/2``), so the
+run ends as "newest snapshot + a ``tail``-version tail", which the
 recovery scenario replays with 1 and 2 workers against ``torch.load`` of the newest
 checkpoint. Every figure is a median over versions (commit scenarios) or repeats.
 """
@@ -53,6 +54,9 @@ SCENARIOS = (
 CODEC_MAX_PARAMS = 25_000_000
 #: The bf16 ratio is measured on at most this many parameters (it does not depend on size).
 BF16_MAX_PARAMS = 25_000_000
+#: At most this many torch.save baselines (each about 2 s at 100M): a long log for the
+#: recovery scenario (``--versions 49``) need not repeat them 49 times.
+BASELINE_REPEATS = 20
 #: Scenarios that need the fp32 recording run.
 RECORDING = {"commit_blocking_s", "commit_throughput_mb_s", "bytes_per_commit_ratio", "recovery_s"}
 
@@ -62,6 +66,7 @@ class Config:
     params: int
     repeats: int = 3
     versions: int = 20
+    tail: int = 10  # versions after the snapshot (at most versions // 2)
     warmup_steps: int = 100
     bf16_warmup_steps: int = 20
     bf16_versions: int = 5
@@ -122,7 +127,7 @@ def baselines(cfg: Config, work: Workload, path: Path, n: int, r: Recording) -> 
     (timed to the page cache, then to the end of its fsync). Run with no recorder open, so
     no background work of Rewind's (encode, WAL checkpoint) competes with the baselines."""
     floor = MemcpyFloor(work)
-    for _ in range(n):
+    for _ in range(min(n, BASELINE_REPEATS)):
         gc.collect()
         r.memcpy_s.append(statistics.median(floor() for _ in range(3)))
         t0 = time.perf_counter()
@@ -560,10 +565,11 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         d.mkdir()
         db = f"sqlite://{d / 'rewind.db'}"
         emb = RunAddress(db, db, "bench", f"file://{d / 'snapshots'}")
-        tail = versions // 2
+        tail = max(1, min(cfg.tail, versions // 2))
         rec = Recording()
         if only & {"commit_blocking_s", "commit_throughput_mb_s"}:
-            cfg.log(f"baselines: torch.save (+fsync) and memcpy of the state, {versions} times")
+            cfg.log("baselines: torch.save (+fsync) and memcpy of the state, "
+                    f"{min(versions, BASELINE_REPEATS)} times")
             baselines(cfg, work, root / "baseline.pt", versions, rec)
         need_snapshot = bool(only & {"recovery_s", "follower_sync_s"})
         cfg.log(f"recording (embedded): v1 FULL + {versions} versions"
