@@ -223,17 +223,20 @@ def fold_shard(
 
     Partitions of one transaction may become visible a moment apart (each gets its own
     commit marker), so while the target's seal counts more events than were seen, the
-    end offset is polled again for up to ``settle_s`` seconds. Versions up to
+    end offset is polled again, until a pass finds nothing new for ``settle_s`` seconds
+    (the clock starts when a pass ends short, not when the fold starts: a first pass over
+    a big shard may itself take longer than ``settle_s``). Versions up to
     ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
     ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``).
     """
     sealed = {v for v in idx.seals if v <= version}
     t0 = time.perf_counter()
     gt = gt_offset
-    deadline = time.monotonic() + settle_s
+    deadline: float | None = None
     while True:
         end = log.end_offset(state.shard) - 1
         done = False
+        start_gt = gt
         for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
             if env.version > version:
                 done = True  # one writer per partition: versions never go back after this
@@ -244,8 +247,12 @@ def fold_shard(
             gt = offset
             if on_bytes is not None:
                 on_bytes(nbytes)
-        if done or version <= since_version or not _short(state, idx, version) \
-                or time.monotonic() > deadline:
+        if done or version <= since_version or not _short(state, idx, version):
+            break
+        now = time.monotonic()
+        if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
+            deadline = now + settle_s
+        elif now > deadline:
             break
         time.sleep(0.02)
     state.run_deferred()
