@@ -12,6 +12,7 @@ URL: ``sqlite://<path>``, e.g. ``sqlite:///tmp/run/rewind.db`` (absolute) or
 from __future__ import annotations
 
 import functools
+import io
 import json
 import math
 import sqlite3
@@ -32,7 +33,17 @@ from .errors import (
     RewindError,
     StaleVersionError,
 )
-from .ports import CONTROL, Coordinator, EventLog, LogTransaction, LogWriter, Record
+from .ports import (
+    CONTROL,
+    Coordinator,
+    Decoded,
+    Decoder,
+    EventLog,
+    LogTransaction,
+    LogWriter,
+    MessageStream,
+    Record,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -307,6 +318,37 @@ class _Checkpointer:
                 self._due = time.monotonic() + self._idle_s  # a reader held frames: retry
 
 
+class _BlobStream:
+    """A record's blob as a ``MessageStream``: short reads are served from one read of its
+    first bytes; a read beyond them (a tensor chunk's payload) goes straight from SQLite
+    into its own bytes object, with the GIL released, and is the only copy ever made."""
+
+    HEAD = 4096
+
+    def __init__(self, blob: sqlite3.Blob) -> None:
+        self._blob, self._size, self._pos = blob, len(blob), 0
+        self._head = blob.read(min(self._size, self.HEAD))
+
+    @classmethod
+    def over(cls, blob: sqlite3.Blob) -> MessageStream:
+        """A stream of the blob: a plain in-memory one for a record that fits in one read."""
+        return io.BytesIO(blob.read()) if len(blob) <= cls.HEAD else cls(blob)
+
+    def read(self, n: int = -1, /) -> bytes:
+        start = self._pos
+        end = self._size if n < 0 else min(self._size, start + n)
+        if end <= len(self._head):
+            out = self._head[start:end]
+        else:
+            self._blob.seek(start)
+            out = self._blob.read(end - start)
+        self._pos = end
+        return out
+
+    def tell(self) -> int:
+        return self._pos
+
+
 class EmbeddedLog(EventLog):
     """A run's log in a SQLite file."""
 
@@ -363,23 +405,41 @@ class EmbeddedLog(EventLog):
         self, partition: int, *, gt: int | None = None, lte: int | None = None,
         limit: int | None = None,
     ) -> list[Record]:
-        # The rows are found first, then each value is read through an incremental blob
-        # handle: ``sqlite3.Blob.read`` copies once, straight into the bytes object, with the
-        # GIL released, where ``SELECT value`` copies twice holding it (readers of several
-        # shards in threads then run one at a time). The read transaction makes the lookup
-        # and the blob reads see one snapshot of the database, as one SELECT would.
-        conn = self._db.conn()
-        params = (
-            self.run_id, partition, -1 if gt is None else gt,
-            (1 << 62) if lte is None else lte, -1 if limit is None else limit,
-        )
         if not self._db.records_have_rowid():  # a file from before the rowid table
-            rows = conn.execute(
+            rows = self._db.conn().execute(
                 "SELECT offset, value FROM records WHERE run=? AND partition=? AND offset>? "
                 "AND offset<=? ORDER BY offset LIMIT ?",
-                params,
+                self._range(partition, gt, lte, limit),
             ).fetchall()
             return [Record(partition, int(o), bytes(v)) for o, v in rows]
+        return self._blobs(partition, gt, lte, limit,
+                           lambda blob, offset: Record(partition, offset, blob.read()))
+
+    @_wrapped
+    def read_decoded(
+        self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
+        lte: int | None = None, limit: int | None = None,
+    ) -> list[Decoded]:
+        if not self._db.records_have_rowid():
+            return super().read_decoded(partition, decode, gt=gt, lte=lte, limit=limit)
+        return self._blobs(partition, gt, lte, limit, lambda blob, offset: Decoded(
+            offset, len(blob), decode(_BlobStream.over(blob), len(blob), offset)))
+
+    def _range(self, partition: int, gt: int | None, lte: int | None,
+               limit: int | None) -> tuple[object, ...]:
+        return (self.run_id, partition, -1 if gt is None else gt,
+                (1 << 62) if lte is None else lte, -1 if limit is None else limit)
+
+    def _blobs(self, partition: int, gt: int | None, lte: int | None, limit: int | None,
+               each: Callable[[sqlite3.Blob, int], R]) -> list[R]:
+        """``each(blob, offset)`` for every record in ``(gt, lte]``, oldest first.
+
+        The rows are found first, then each value is read through an incremental blob
+        handle: ``sqlite3.Blob.read`` copies once, straight into the bytes object, with the
+        GIL released, where ``SELECT value`` copies twice holding it (readers of several
+        shards in threads then run one at a time). The read transaction makes the lookup
+        and the blob reads see one snapshot of the database, as one SELECT would."""
+        conn = self._db.conn()
         own = not conn.in_transaction
         if own:
             conn.execute("BEGIN")
@@ -387,12 +447,12 @@ class EmbeddedLog(EventLog):
             rows = conn.execute(
                 "SELECT rowid, offset FROM records WHERE run=? AND partition=? AND offset>? "
                 "AND offset<=? ORDER BY offset LIMIT ?",
-                params,
+                self._range(partition, gt, lte, limit),
             ).fetchall()
             out = []
             for rowid, o in rows:
                 with conn.blobopen("records", "value", rowid, readonly=True) as blob:
-                    out.append(Record(partition, int(o), blob.read()))
+                    out.append(each(blob, int(o)))
         except BaseException:
             if own and conn.in_transaction:
                 conn.execute("ROLLBACK")

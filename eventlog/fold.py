@@ -28,7 +28,7 @@ from .errors import (
     WrongRunError,
 )
 from .events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
-from .ports import CONTROL, EventLog
+from .ports import CONTROL, EventLog, MessageStream
 
 
 @dataclass(frozen=True)
@@ -130,12 +130,16 @@ def events(
 ) -> Iterator[tuple[int, int, Envelope]]:
     """``(offset, message bytes, event)`` of a partition, checking each event's run id."""
     where_p = "control" if partition == CONTROL else f"shard {partition}"
-    for rec in log.scan(partition, gt=gt, lte=lte, batch=log.scan_batch(partition)):
-        where = f"run {log.run_id!r} {where_p} offset {rec.offset}"
-        env = serde.decode(rec.value, where)
+
+    def decode(stream: MessageStream, size: int, offset: int) -> Envelope:
+        where = f"run {log.run_id!r} {where_p} offset {offset}"
+        env = serde.decode.from_stream(stream, size, where)
         if env.run_id != log.run_id:
             raise WrongRunError(f"{where}: event belongs to run {env.run_id!r}")
-        yield rec.offset, len(rec.value), crypto.decrypt_event(env, where)
+        return crypto.decrypt_event(env, where)
+
+    for rec in log.scan_decoded(partition, decode, gt=gt, lte=lte, batch=log.scan_batch(partition)):
+        yield rec.offset, rec.size, rec.value
 
 
 def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlIndex:

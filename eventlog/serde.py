@@ -7,7 +7,7 @@ schema versions are resolved to the current one, so old logs stay readable.
 from __future__ import annotations
 
 import io
-from typing import Any
+from typing import IO, Any, cast
 
 import fastavro
 
@@ -15,6 +15,7 @@ import schemas
 
 from .errors import CorruptMessageError, UnknownSchemaError
 from .events import Envelope
+from .ports import MessageStream
 
 MAGIC = b"\xc3\x01"
 HEADER_BYTES = 10
@@ -45,12 +46,20 @@ class EnvelopeDeserializer:
         self._current = self._known[schemas.load().fingerprint]
 
     def __call__(self, data: bytes, where: str = "message") -> Envelope:
-        if len(data) < HEADER_BYTES or data[:2] != MAGIC:
+        return self.from_stream(io.BytesIO(data), len(data), where)
+
+    def from_stream(self, stream: MessageStream, size: int, where: str = "message") -> Envelope:
+        """Decode one ``size``-byte message read from ``stream`` (at its start). fastavro
+        reads a ``bytes`` field, such as a tensor chunk's payload, in one ``read`` call and
+        keeps the object it gets: a stream that serves that read from its store saves a
+        copy of the whole message (``EventLog.read_decoded``)."""
+        head = stream.read(HEADER_BYTES)
+        if len(head) < HEADER_BYTES or head[:2] != MAGIC:
             raise CorruptMessageError(
-                f"{where}: not an Avro single-object message (got {bytes(data[:2]).hex() or 'nothing'},"
-                f" want c301, {len(data)} bytes)"
+                f"{where}: not an Avro single-object message (got {bytes(head[:2]).hex() or 'nothing'},"
+                f" want c301, {size} bytes)"
             )
-        fp = bytes(data[2:HEADER_BYTES])
+        fp = bytes(head[2:HEADER_BYTES])
         writer = self._known.get(fp)
         if writer is None:
             raise UnknownSchemaError(
@@ -58,18 +67,16 @@ class EnvelopeDeserializer:
                 + ", ".join(f"v{s.version}={s.fingerprint.hex()}" for s in self._known.values())
             )
         reader = None if writer is self._current else self._current.parsed
-        buf = io.BytesIO(data)
-        buf.seek(HEADER_BYTES)
         try:
-            record: Any = fastavro.schemaless_reader(
-                buf, writer.parsed, reader, return_record_name=True
+            record: Any = fastavro.schemaless_reader(  # any object with read() will do
+                cast(IO[bytes], stream), writer.parsed, reader, return_record_name=True
             )
             envelope = Envelope.from_avro(record)
         except Exception as exc:  # fastavro raises many kinds on garbage: normalise them
             raise CorruptMessageError(f"{where}: corrupt Avro body ({type(exc).__name__}: {exc})") from exc
-        if buf.tell() != len(data):
+        if stream.tell() != size:
             raise CorruptMessageError(
-                f"{where}: {len(data) - buf.tell()} trailing bytes after the Avro body"
+                f"{where}: {size - stream.tell()} trailing bytes after the Avro body"
             )
         return envelope
 

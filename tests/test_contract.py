@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from eventlog import FencedError, Recorder, RunAddress, StaleVersionError
-from eventlog.ports import CONTROL
+from eventlog.ports import CONTROL, MessageStream
 
 
 def _values(records: list) -> list[bytes]:  # type: ignore[type-arg]
@@ -59,6 +59,41 @@ def test_read_ranges_and_offsets(address: RunAddress) -> None:
         log.truncate_before(0, offsets[4])
         assert log.start_offset(0) == offsets[4]
         assert _values(log.read(0)) == [f"m{i}".encode() for i in range(4, 10)]
+        writer.close()
+
+
+def test_decoded_reads_hand_each_record_to_its_decoder_as_a_stream(address: RunAddress) -> None:
+    """``read_decoded``/``scan_decoded`` see the bytes ``read`` sees, whatever pieces the
+    decoder asks for: a few header bytes, then one large read of the rest (as fastavro reads
+    a tensor chunk's payload), then nothing left. A decoder's error leaves the log readable."""
+    sizes = [3, 4096, 4097, (1 << 20) + 7]
+    values = [bytes((i * 31 + j) % 251 for j in range(n)) for i, n in enumerate(sizes)]
+    with address.open_log() as log:
+        log.create(1)
+        writer = log.writer("w")
+        for v in values:
+            with writer.transaction() as txn:
+                txn.append(0, v)
+        offsets = [r.offset for r in log.read(0)]
+
+        def pieces(stream: MessageStream, size: int, offset: int) -> tuple[int, bytes]:
+            head = stream.read(5)
+            rest = stream.read(size - len(head))
+            assert stream.read(1) == b"" and stream.tell() == size
+            return offset, head + rest
+
+        got = log.read_decoded(0, pieces)
+        assert [(d.offset, d.size) for d in got] == list(zip(offsets, sizes, strict=True))
+        assert [d.value for d in got] == list(zip(offsets, values, strict=True))
+        assert [d.value[1] for d in log.read_decoded(0, pieces, gt=offsets[0], lte=offsets[2])] == values[1:3]
+        assert [d.value[1] for d in log.scan_decoded(0, pieces, gt=offsets[1], batch=1)] == values[2:]
+
+        def refuse(stream: MessageStream, size: int, offset: int) -> None:
+            raise ValueError(f"cannot decode offset {offset}")
+
+        with pytest.raises(ValueError, match=f"offset {offsets[0]}"):
+            log.read_decoded(0, refuse)
+        assert _values(log.read(0)) == values
         writer.close()
 
 
