@@ -28,7 +28,10 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[0] == "replay":
         from eventlog import RunAddress, Target
+        from eventlog.allocator import tune_for_replay
         from replayer.replay import replay
+
+        tune_for_replay()  # as the rewind CLI's recovery job does
 
         log_url, coord_url, run_id, snaps, workers, target = argv[1:7]
         address = RunAddress(log_url, coord_url, run_id, snaps or None)

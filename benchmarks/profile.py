@@ -42,6 +42,7 @@ from rich.table import Table
 import eventlog.apply as apply_mod
 import eventlog.embedded as embedded_mod
 import eventlog.fold as fold_mod
+import eventlog.optimstep as optimstep_mod
 import eventlog.recorder as recorder_mod
 import eventlog.serde as serde_mod
 import eventlog.tensorcodec as tc
@@ -179,9 +180,10 @@ REPLAY_ORDER = [
     "replay (wall)", "index_control", "snapshot: newest_valid (wall)",
     "  read_buffer (read + xxh3)", "  read_file (read + xxh3)",
     "  load_shard_file (safetensors header + views)", "  shard digest (xxh3 of all bits)",
-    "rebuild (wall)", "  fold_shard [workers]", "    sqlite read (log.read)",
-    "    avro decode", "    apply (decode_chunk)", "      decompress (blosc2)",
-    "      xxh3 digest", "  verify_shard [workers]",
+    "rebuild (wall)", "  fold_shard [workers]", "    log read + decode (read_decoded)",
+    "      avro decode + payload read (from_stream)", "    apply (decode_chunk)",
+    "      decompress (blosc2)", "      xxh3 digest", "    optimizer steps (run_step)",
+    "  verify_shard [workers]",
 ]
 
 
@@ -201,8 +203,10 @@ def install_replay_timers() -> None:
     wrap(apply_mod.ShardState, "digest", "  shard digest (xxh3 of all bits)")
     wrap(replay_mod, "rebuild", "rebuild (wall)")
     wrap(fold_mod, "fold_shard", "  fold_shard [workers]")
-    wrap(embedded_mod.EmbeddedLog, "read", "    sqlite read (log.read)")
-    wrap(serde_mod.EnvelopeDeserializer, "__call__", "    avro decode", lambda self, d, *a: len(d))
+    wrap(embedded_mod.EmbeddedLog, "read_decoded", "    log read + decode (read_decoded)")
+    wrap(serde_mod.EnvelopeDeserializer, "from_stream", "      avro decode + payload read (from_stream)",
+         lambda self, s, n, *a: n)
+    wrap(optimstep_mod, "run_step", "    optimizer steps (run_step)")
     wrap(apply_mod.tensorcodec, "decode_chunk", "    apply (decode_chunk)",
          lambda d, *a: d.byte_length)
     wrap(tc, "_decompress", "      decompress (blosc2)", lambda p, n, w, **k: n)

@@ -55,6 +55,10 @@ REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 256 * 1024**2)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).
 REPLAY_TILE_BYTES = _int("REPLAY_TILE_BYTES", 4 * 1024 * 1024)
+#: glibc's mmap threshold in the processes that replay (the CLI; ``eventlog.allocator``):
+#: chunk payloads of 4 MiB then reuse freed heap memory instead of fresh pages. 0: leave
+#: malloc alone. glibc refuses more than 32 MiB on 64-bit systems.
+MALLOC_MMAP_THRESHOLD = _int("MALLOC_MMAP_THRESHOLD", 32 * 1024**2)
 #: Seconds a committed version may wait in the embedded log's WAL for the next commit()'s
 #: maintenance window before it is checkpointed into the database anyway.
 CHECKPOINT_IDLE_S = float(os.environ.get("REWIND_CHECKPOINT_IDLE_S") or 5.0)

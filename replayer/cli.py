@@ -18,6 +18,7 @@ from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeE
 from rich.table import Table
 
 from eventlog import RewindError, RunAddress, Target
+from eventlog.allocator import tune_for_replay
 
 from .replay import ReplayReport, replay, write_checkpoint
 
@@ -332,6 +333,7 @@ def verify(
 
 def main() -> None:
     """Console-script entry point: Rewind errors become one clear line and exit code 2."""
+    tune_for_replay()  # this process is Rewind's own: let replayed payloads reuse memory
     try:
         app(standalone_mode=False)
     except RewindError as exc:
