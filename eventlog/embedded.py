@@ -43,6 +43,7 @@ from .ports import (
     LogWriter,
     MessageStream,
     Record,
+    paged,
 )
 
 P = ParamSpec("P")
@@ -319,20 +320,23 @@ class _Checkpointer:
 
 
 class _BlobStream:
-    """A record's blob as a ``MessageStream``: short reads are served from one read of its
-    first bytes; a read beyond them (a tensor chunk's payload) goes straight from SQLite
-    into its own bytes object, with the GIL released, and is the only copy ever made."""
+    """A record's blob as a ``MessageStream``, valid while the blob is open (during one
+    ``decode`` call): short reads are served from one read of its first bytes; a read
+    beyond them (a tensor chunk's payload) goes straight from SQLite into its own bytes
+    object, with the GIL released, the one copy of it that a fold makes (decryption makes
+    another for an encrypted one). SQLite's errors there are the store's, not the
+    message's: they name the database file, as a plain read's would."""
 
     HEAD = 4096
 
-    def __init__(self, blob: sqlite3.Blob) -> None:
-        self._blob, self._size, self._pos = blob, len(blob), 0
+    def __init__(self, blob: sqlite3.Blob, db: _Database) -> None:
+        self._blob, self._db, self._size, self._pos = blob, db, len(blob), 0
         self._head = blob.read(min(self._size, self.HEAD))
 
     @classmethod
-    def over(cls, blob: sqlite3.Blob) -> MessageStream:
+    def over(cls, blob: sqlite3.Blob, db: _Database) -> MessageStream:
         """A stream of the blob: a plain in-memory one for a record that fits in one read."""
-        return io.BytesIO(blob.read()) if len(blob) <= cls.HEAD else cls(blob)
+        return io.BytesIO(blob.read()) if len(blob) <= cls.HEAD else cls(blob, db)
 
     def read(self, n: int = -1, /) -> bytes:
         start = self._pos
@@ -340,8 +344,11 @@ class _BlobStream:
         if end <= len(self._head):
             out = self._head[start:end]
         else:
-            self._blob.seek(start)
-            out = self._blob.read(end - start)
+            try:
+                self._blob.seek(start)
+                out = self._blob.read(end - start)
+            except sqlite3.Error as exc:
+                raise self._db.wrap(exc) from exc
         self._pos = end
         return out
 
@@ -423,7 +430,18 @@ class EmbeddedLog(EventLog):
         if not self._db.records_have_rowid():
             return super().read_decoded(partition, decode, gt=gt, lte=lte, limit=limit)
         return self._blobs(partition, gt, lte, limit, lambda blob, offset: Decoded(
-            offset, len(blob), decode(_BlobStream.over(blob), len(blob), offset)))
+            offset, len(blob), decode(_BlobStream.over(blob, self._db), len(blob), offset)))
+
+    def scan_decoded(
+        self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
+        lte: int | None = None, batch: int = 256,
+    ) -> Iterator[Decoded]:
+        # One record per read: decoded from its blob (one copy of a large payload), and
+        # never before the caller reaches it. Larger batches decode from memory, lazily.
+        if batch != 1:
+            return super().scan_decoded(partition, decode, gt=gt, lte=lte, batch=batch)
+        return paged(lambda cursor: self.read_decoded(partition, decode, gt=cursor, lte=lte, limit=1),
+                      gt, batch)
 
     def _range(self, partition: int, gt: int | None, lte: int | None,
                limit: int | None) -> tuple[object, ...]:

@@ -128,11 +128,11 @@ class EventLog(abc.ABC):
         self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
         lte: int | None = None, limit: int | None = None,
     ) -> list[Decoded]:
-        """Like ``read``, each record handed to ``decode`` as a stream. A backend that
-        stores records may then serve each ``read`` straight from its store: a decoder
-        that reads a large field in one call gets it without copying the whole record."""
-        return [Decoded(r.offset, len(r.value), decode(io.BytesIO(r.value), len(r.value), r.offset))
-                for r in self.read(partition, gt=gt, lte=lte, limit=limit)]
+        """Like ``read``, each record handed to ``decode`` as a stream (valid during that
+        call only), every record of the range decoded before this returns. A backend that
+        stores records may serve each ``read`` of the stream straight from its store: a
+        decoder that reads a large field in one call gets it without copying the record."""
+        return [_decoded(r, decode) for r in self.read(partition, gt=gt, lte=lte, limit=limit)]
 
     def scan_batch(self, partition: int) -> int:
         """Records per ``read`` call when a fold scans ``partition`` (``scan(batch=...)``)."""
@@ -147,16 +147,16 @@ class EventLog(abc.ABC):
         batch: int = 256,
     ) -> Iterator[Record]:
         """Every committed record of ``partition`` in ``(gt, lte]``, fetched in batches."""
-        return _paged(lambda cursor: self.read(partition, gt=cursor, lte=lte, limit=batch), gt, batch)
+        return paged(lambda cursor: self.read(partition, gt=cursor, lte=lte, limit=batch), gt, batch)
 
     def scan_decoded(
         self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
         lte: int | None = None, batch: int = 256,
     ) -> Iterator[Decoded]:
-        """Every committed record of ``partition`` in ``(gt, lte]``, decoded by ``decode``
-        (``read_decoded``), fetched in batches."""
-        return _paged(lambda cursor: self.read_decoded(partition, decode, gt=cursor, lte=lte, limit=batch),
-                      gt, batch)
+        """Every committed record of ``partition`` in ``(gt, lte]``, fetched in batches and
+        decoded by ``decode`` one at a time, as the caller reaches it: a caller that stops
+        at its target never decodes (or fails on) the records of the batch after it."""
+        return (_decoded(r, decode) for r in self.scan(partition, gt=gt, lte=lte, batch=batch))
 
     def __enter__(self) -> EventLog:
         return self
@@ -165,7 +165,13 @@ class EventLog(abc.ABC):
         self.close()
 
 
-def _paged(fetch: Callable[[int | None], list[Any]], gt: int | None, batch: int) -> Iterator[Any]:
+def _decoded(record: Record, decode: Decoder[Any]) -> Decoded:
+    """One record decoded from memory."""
+    size = len(record.value)
+    return Decoded(record.offset, size, decode(io.BytesIO(record.value), size, record.offset))
+
+
+def paged(fetch: Callable[[int | None], list[Any]], gt: int | None, batch: int) -> Iterator[Any]:
     """Every item of ``fetch(cursor)`` pages (items with an ``offset``), from ``gt`` on."""
     if batch < 1:
         raise ConfigError(f"a log read batch must be at least 1 record (REWIND_READ_BATCH, "

@@ -13,7 +13,7 @@ import fastavro
 
 import schemas
 
-from .errors import CorruptMessageError, UnknownSchemaError
+from .errors import CorruptMessageError, RewindError, UnknownSchemaError
 from .events import Envelope
 from .ports import MessageStream
 
@@ -72,6 +72,8 @@ class EnvelopeDeserializer:
                 cast(IO[bytes], stream), writer.parsed, reader, return_record_name=True
             )
             envelope = Envelope.from_avro(record)
+        except RewindError:
+            raise  # the stream's own failure (a store error), not the message's
         except Exception as exc:  # fastavro raises many kinds on garbage: normalise them
             raise CorruptMessageError(f"{where}: corrupt Avro body ({type(exc).__name__}: {exc})") from exc
         if stream.tell() != size:

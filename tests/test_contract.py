@@ -88,12 +88,23 @@ def test_decoded_reads_hand_each_record_to_its_decoder_as_a_stream(address: RunA
         assert [d.value[1] for d in log.read_decoded(0, pieces, gt=offsets[0], lte=offsets[2])] == values[1:3]
         assert [d.value[1] for d in log.scan_decoded(0, pieces, gt=offsets[1], batch=1)] == values[2:]
 
+        def first_only(stream: MessageStream, size: int, offset: int) -> int:
+            if offset != offsets[0]:
+                raise ValueError(f"offset {offset} was decoded before the caller reached it")
+            return offset
+
+        for batch in (1, 16):  # a fold that stops at its target decodes nothing after it
+            assert next(log.scan_decoded(0, first_only, batch=batch)).value == offsets[0]
+
         def refuse(stream: MessageStream, size: int, offset: int) -> None:
             raise ValueError(f"cannot decode offset {offset}")
 
         with pytest.raises(ValueError, match=f"offset {offsets[0]}"):
             log.read_decoded(0, refuse)
-        assert _values(log.read(0)) == values
+        with writer.transaction() as txn:  # no read snapshot was left open: a new record shows
+            txn.append(0, b"after")
+        assert _values(log.read(0)) == [*values, b"after"]
+        assert [d.value[1] for d in log.scan_decoded(0, pieces, gt=offsets[-1], batch=1)] == [b"after"]
         writer.close()
 
 

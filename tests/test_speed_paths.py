@@ -15,11 +15,11 @@ import pytest
 import safetensors.torch
 import torch
 
-from eventlog import CorruptMessageError
+from eventlog import CorruptMessageError, CorruptStoreError, serde
 from eventlog import tensorcodec as tc
 from eventlog.apply import ShardState, TensorBits
 from eventlog.embedded import EmbeddedLog
-from eventlog.events import TensorDelta
+from eventlog.events import Envelope, TensorDelta
 from eventlog.ports import CONTROL
 from snapshotter.store import SnapshotCorruptError, load_shard_file, shard_file_bytes
 
@@ -53,6 +53,61 @@ def test_blob_reads_match_plain_selects(tmp_path: Path) -> None:
     assert not log._db.conn().in_transaction  # the read transaction was closed
     log.truncate_before(0, 6)  # writes still work on the reading thread's connection
     assert [r.offset for r in log.read(0)] == list(range(6, 12))
+    log.close()
+
+
+def _chunk_message(payload: bytes) -> bytes:
+    """A real encoded message of one raw GRAD chunk carrying ``payload``."""
+    n = len(payload) // 4
+    delta = TensorDelta("w", "float32", (n,), 0, 1, 0, len(payload), TensorDelta.GRAD, "none", 0,
+                        tc.digest(payload), payload)
+    return serde.encode(Envelope("r", 1, 1, 1, 0, "w", 0, delta))
+
+
+def test_decoding_from_a_blob_reads_the_payload_in_one_piece(tmp_path: Path) -> None:
+    """The embedded log's decoded reads give the same event as decoding the whole record."""
+    payload = np.random.default_rng(0).bytes(1 << 20)
+    log = EmbeddedLog(f"sqlite://{tmp_path / 'd.db'}", "r")
+    log.create(1)
+    w = log.writer("w")
+    with w.transaction() as txn:
+        txn.append(0, _chunk_message(payload))
+    w.close()
+    (got,) = log.read_decoded(0, lambda stream, size, offset: serde.decode.from_stream(stream, size))
+    assert got.value == serde.decode(log.read(0)[0].value) and got.value.body.payload == payload
+    log.close()
+
+
+class _FailingBlob:
+    """A blob whose reads past its first ``good`` bytes fail as a damaged file's would."""
+
+    def __init__(self, data: bytes, good: int) -> None:
+        self._data, self._good, self._pos = data, good, 0
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def seek(self, pos: int) -> None:
+        self._pos = pos
+
+    def read(self, n: int) -> bytes:
+        if self._pos + n > self._good:
+            raise sqlite3.DatabaseError("database disk image is malformed")
+        self._pos += n
+        return self._data[self._pos - n:self._pos]
+
+
+def test_a_store_error_while_decoding_a_payload_names_the_file(tmp_path: Path) -> None:
+    """A large payload is read from SQLite inside fastavro's decode: SQLite's error there is
+    the store's (it names the database file), not a corrupt message."""
+    from eventlog.embedded import _BlobStream
+
+    message = _chunk_message(bytes(1 << 20))
+    log = EmbeddedLog(f"sqlite://{tmp_path / 'e.db'}", "r")
+    stream = _BlobStream.over(_FailingBlob(message, 4096), log._db)  # type: ignore[arg-type]
+    with pytest.raises(CorruptStoreError) as info:
+        serde.decode.from_stream(stream, len(message), "msg-under-test")
+    assert str(tmp_path / "e.db") in str(info.value) and "malformed" in str(info.value)
     log.close()
 
 
