@@ -635,5 +635,11 @@ class EmbeddedCoordinator(Coordinator):
         ).fetchall()
         return {f: {"version": int(v), "time_ms": int(t)} for f, v, t in rows}
 
+    @_wrapped
+    def forget_follower(self, run: str, follower: str) -> bool:
+        with self._db.txn() as c:
+            return c.execute("DELETE FROM followers WHERE run=? AND follower=?",
+                             (run, follower)).rowcount > 0
+
     def close(self) -> None:
         self._db.close()

@@ -248,6 +248,10 @@ class Coordinator(abc.ABC):
         """Each follower's ``version`` and ``time_ms`` of its last report."""
 
     @abc.abstractmethod
+    def forget_follower(self, run: str, follower: str) -> bool:
+        """Drop a follower's report (it stopped, or went silent); whether there was one."""
+
+    @abc.abstractmethod
     def close(self) -> None:
         """Release connections."""
 

@@ -295,6 +295,11 @@ class RedisCoordinator(Coordinator):
                 ) from exc
         return out
 
+    @_coordinated
+    def forget_follower(self, run: str, follower: str) -> bool:
+        """Drop a follower's report; whether there was one."""
+        return bool(self._r.hdel(self._key(run, "followers"), follower))
+
     def close(self) -> None:
         """Close the connection pool."""
         try:

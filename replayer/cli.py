@@ -213,16 +213,24 @@ def plot(
 @app.command()
 def followers(
     json_out: AsJson = False,
+    forget_silent_for: Annotated[Optional[float], typer.Option(
+        "--forget-silent-for", help="first drop followers silent for more than SECONDS")] = None,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
 ) -> None:
-    """List the run's followers (actors): the version each runs and its lag behind the newest."""
-    from .follower import followers_table
+    """List the run's followers (actors): the version each runs and its lag behind the newest.
+    A follower drops its own entry when it closes; one that crashed stays until forgotten."""
+    from .follower import followers_table, forget_silent_followers
 
     address = address_of(run_dir, log, coord, run)
+    forgotten = [] if forget_silent_for is None else forget_silent_followers(address, forget_silent_for)
     rows = followers_table(address)
     if json_out:
-        console.print_json(json.dumps(rows))
+        console.print_json(json.dumps({"followers": rows, "forgotten": forgotten})
+                           if forget_silent_for is not None else json.dumps(rows))
         return
+    if forget_silent_for is not None:
+        console.print(f"forgot {len(forgotten)} follower(s) silent for more than "
+                      f"{forget_silent_for:g} s" + (f": {', '.join(forgotten)}" if forgotten else ""))
     table = Table(title=f"followers of {address.run_id}")
     for col in ("name", "version", "latest", "lag", "last report"):
         table.add_column(col, justify="left" if col == "name" else "right")

@@ -150,13 +150,19 @@ class Follower:
         return moved
 
     def close(self) -> None:
-        """Release threads and connections (the model keeps its last version)."""
+        """Release threads and connections, and drop this follower's report from the
+        coordinator, so that ``rewind followers`` lists only followers still running (the
+        model keeps its last version)."""
         with self._poll_lock:
             if self._closed:
                 return
             self._closed = True
             self._pool.shutdown()
             self._log.close()
+            try:
+                self._coord.forget_follower(self.address.run_id, self.name)
+            except CoordinationError as exc:  # a cache: the entry just goes stale
+                _log.warning("follower %s could not drop its report: %s", self.name, exc)
             self._coord.close()
 
     def __enter__(self) -> Self:
@@ -261,6 +267,20 @@ class Follower:
             self._coord.report_follower(self.address.run_id, self.name, self._version)
         except CoordinationError as exc:
             _log.warning("follower %s could not report version %d: %s", self.name, self._version, exc)
+
+
+def forget_silent_followers(address: RunAddress, silent_s: float,
+                            now_s: float | None = None) -> list[str]:
+    """Drop the reports of followers silent for more than ``silent_s`` seconds (a crashed
+    actor never drops its own); returns their names. A follower still running reports
+    again at its next poll."""
+    if not silent_s >= 0:
+        raise ConfigError(f"followers silent for {silent_s!r} seconds: give a number >= 0")
+    now_ms = (time.time() if now_s is None else now_s) * 1000
+    with address.open_coordinator() as coord:
+        stale = [name for name, r in sorted(coord.followers(address.run_id).items())
+                 if now_ms - r["time_ms"] > silent_s * 1000]
+        return [name for name in stale if coord.forget_follower(address.run_id, name)]
 
 
 def followers_table(address: RunAddress) -> list[dict[str, Any]]:

@@ -13,10 +13,10 @@ import pytest
 import torch
 import xxhash
 
-from eventlog import Recorder, RunAddress, StateMismatchError
+from eventlog import ConfigError, Recorder, RunAddress, StateMismatchError
 from eventlog.embedded import path_from_url
 from eventlog.fold import events
-from replayer.follower import Follower, followers_table
+from replayer.follower import Follower, followers_table, forget_silent_followers
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 
@@ -215,3 +215,27 @@ def test_before_the_first_commit_and_with_the_wrong_model(run: RunAddress) -> No
             follower.poll()
         assert follower.version == 0 and _bit_equal(wrong, before)  # nothing half loaded
     trainer.rec.close()
+
+
+def test_a_closed_follower_drops_its_report(run: RunAddress) -> None:
+    trainer = Trainer(run)
+    trainer.commit(1)
+    with Follower(run, _net(1), name="leaving") as follower:
+        follower.poll()
+        assert [r["name"] for r in followers_table(run)] == ["leaving"]
+    assert followers_table(run) == []
+    trainer.rec.close()
+
+
+def test_followers_silent_too_long_can_be_forgotten(run: RunAddress) -> None:
+    """A crashed actor never drops its report: ``forget_silent_followers`` (the CLI's
+    ``rewind followers --forget-silent-for S``) drops those older than S seconds only."""
+    with run.open_coordinator() as coord:
+        coord.report_follower(run.run_id, "crashed", 3)
+        time.sleep(1.2)
+        coord.report_follower(run.run_id, "alive", 4)
+    assert forget_silent_followers(run, 1.0) == ["crashed"]
+    assert [(r["name"], r["version"]) for r in followers_table(run)] == [("alive", 4)]
+    assert forget_silent_followers(run, 1.0) == []
+    with pytest.raises(ConfigError, match="silent for -1"):
+        forget_silent_followers(run, -1)
