@@ -9,6 +9,7 @@ Shards fold in parallel threads: decompression, XOR and hashing release the GIL.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +30,9 @@ from .errors import (
 )
 from .events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
 from .ports import CONTROL, EventLog, MessageStream
+
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,13 @@ def fold_shard(
         if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
             deadline = now + settle_s
         elif now > deadline:
+            # The seal check will fail; say what the fold saw, for the one who debugs it.
+            seal = idx.seals[version].seal
+            _log.warning(
+                "run %r shard %d: %d of the %d events of version %d the seal counts were read "
+                "after %.0f s without progress; the last offset read is %s, the end offset %d",
+                log.run_id, state.shard, state.applied_per_version.get(version, 0),
+                seal.shard_counts[state.shard], version, settle_s, gt, end + 1)
             break
         time.sleep(0.02)
     state.run_deferred()

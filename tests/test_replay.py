@@ -139,13 +139,15 @@ class _StaleEnd:
     a shard's commit marker lands after the fold first asks (Kafka's partitions of one
     transaction become readable a moment apart)."""
 
-    def __init__(self, log: object, behind: int) -> None:
-        self._log, self._behind = log, behind
+    def __init__(self, log: object, behind: int, always: bool = False) -> None:
+        self._log, self._behind, self._always = log, behind, always
 
     def end_offset(self, partition: int) -> int:
         end = self._log.end_offset(partition)  # type: ignore[attr-defined]
         if partition == 0 and self._behind:
-            end, self._behind = end - self._behind, 0
+            end = end - self._behind
+            if not self._always:
+                self._behind = 0
         return end
 
     def __getattr__(self, name: str) -> object:
@@ -166,4 +168,24 @@ def test_a_first_pass_longer_than_the_settle_time_still_waits_for_late_records(
         fold_shard(_StaleEnd(log, behind=2), state, idx, version, settle_s=0.0)  # type: ignore[arg-type]
         assert state.applied_per_version[version] == want
         assert state.counts.applied == sum(s.seal.shard_counts[0] for s in idx.seals.values())
+    trainer.rec.close()
+
+
+def test_records_still_missing_after_the_settle_time_are_reported(
+        run: RunAddress, caplog: pytest.LogCaptureFixture) -> None:
+    """When the end offset never covers the target's records, the fold gives up after
+    ``settle_s`` without progress and says what it read; the seal check then fails."""
+    trainer = Trainer(run)
+    trainer.train(3)
+    with run.open_log() as log:
+        idx = index_control(log)
+        version = idx.latest_version()
+        want = idx.seals[version].seal.shard_counts[0]
+        state = ShardState(0)
+        with caplog.at_level("WARNING", logger="eventlog.fold"):
+            fold_shard(_StaleEnd(log, behind=2, always=True), state, idx, version,  # type: ignore[arg-type]
+                       settle_s=0.1)
+        got = state.applied_per_version[version]
+        assert got < want
+        assert f"shard 0: {got} of the {want} events of version {version}" in caplog.text
     trainer.rec.close()
