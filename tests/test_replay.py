@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from eventlog import RunAddress, Target, serde
 from eventlog.apply import ShardState
 from eventlog.capture import GlobalRng, load_into
 from eventlog.events import Envelope, TensorDelta
-from eventlog.fold import fold_shard, index_control, rebuild
+from eventlog.fold import ControlIndex, fold_shard, index_control, rebuild
 from eventlog.ports import CONTROL
 from replayer.replay import replay, state_dicts
 from snapshotter.catalog import newest_valid
@@ -154,38 +155,38 @@ class _StaleEnd:
         return getattr(self._log, name)
 
 
+def _fold_shard0(run: RunAddress, settle_s: float,
+                 **stale: Any) -> tuple[ShardState, ControlIndex, int, int]:
+    """Train 3 versions, then fold shard 0 to the newest through a ``_StaleEnd`` log:
+    the state, the control index, the version and the events its seal counts on shard 0."""
+    trainer = Trainer(run)
+    trainer.train(3)
+    try:
+        with run.open_log() as log:
+            idx = index_control(log)
+            version = idx.latest_version()
+            state = ShardState(0)
+            fold_shard(_StaleEnd(log, **stale), state, idx, version, settle_s=settle_s)  # type: ignore[arg-type]
+            return state, idx, version, idx.seals[version].seal.shard_counts[0]
+    finally:
+        trainer.rec.close()
+
+
 def test_a_first_pass_longer_than_the_settle_time_still_waits_for_late_records(
         run: RunAddress) -> None:
     """The settle clock starts when a pass ends short: here every pass "takes longer" than
     the settle time (0 s), and the records missing from the first pass are still read."""
-    trainer = Trainer(run)
-    trainer.train(3)
-    with run.open_log() as log:
-        idx = index_control(log)
-        version = idx.latest_version()
-        want = idx.seals[version].seal.shard_counts[0]
-        state = ShardState(0)
-        fold_shard(_StaleEnd(log, behind=2), state, idx, version, settle_s=0.0)  # type: ignore[arg-type]
-        assert state.applied_per_version[version] == want
-        assert state.counts.applied == sum(s.seal.shard_counts[0] for s in idx.seals.values())
-    trainer.rec.close()
+    state, idx, version, want = _fold_shard0(run, 0.0, behind=2)
+    assert state.applied_per_version[version] == want
+    assert state.counts.applied == sum(s.seal.shard_counts[0] for s in idx.seals.values())
 
 
 def test_records_still_missing_after_the_settle_time_are_reported(
         run: RunAddress, caplog: pytest.LogCaptureFixture) -> None:
     """When the end offset never covers the target's records, the fold gives up after
     ``settle_s`` without progress and says what it read; the seal check then fails."""
-    trainer = Trainer(run)
-    trainer.train(3)
-    with run.open_log() as log:
-        idx = index_control(log)
-        version = idx.latest_version()
-        want = idx.seals[version].seal.shard_counts[0]
-        state = ShardState(0)
-        with caplog.at_level("WARNING", logger="eventlog.fold"):
-            fold_shard(_StaleEnd(log, behind=2, always=True), state, idx, version,  # type: ignore[arg-type]
-                       settle_s=0.1)
-        got = state.applied_per_version[version]
-        assert got < want
-        assert f"shard 0: {got} of the {want} events of version {version}" in caplog.text
-    trainer.rec.close()
+    with caplog.at_level("WARNING", logger="eventlog.fold"):
+        state, _, version, want = _fold_shard0(run, 0.1, behind=2, always=True)
+    got = state.applied_per_version[version]
+    assert got < want
+    assert f"shard 0: {got} of the {want} events of version {version}" in caplog.text
