@@ -269,14 +269,13 @@ class Follower:
             _log.warning("follower %s could not report version %d: %s", self.name, self._version, exc)
 
 
-def forget_silent_followers(address: RunAddress, silent_s: float,
-                            now_s: float | None = None) -> list[str]:
+def forget_silent_followers(address: RunAddress, silent_s: float) -> list[str]:
     """Drop the reports of followers silent for more than ``silent_s`` seconds (a crashed
     actor never drops its own); returns their names. A follower still running reports
     again at its next poll."""
     if not silent_s >= 0:
         raise ConfigError(f"followers silent for {silent_s!r} seconds: give a number >= 0")
-    now_ms = (time.time() if now_s is None else now_s) * 1000
+    now_ms = time.time() * 1000
     with address.open_coordinator() as coord:
         stale = [name for name, r in sorted(coord.followers(address.run_id).items())
                  if now_ms - r["time_ms"] > silent_s * 1000]
