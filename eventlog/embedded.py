@@ -21,9 +21,9 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
-from . import knobs
+from . import knobs, segments
 from .errors import (
     ConfigError,
     CoordinationError,
@@ -56,6 +56,9 @@ CREATE TABLE IF NOT EXISTS partitions (
     PRIMARY KEY (run, partition));
 CREATE TABLE IF NOT EXISTS records (
     run TEXT, partition INTEGER, offset INTEGER, value BLOB NOT NULL,
+    PRIMARY KEY (run, partition, offset));
+CREATE TABLE IF NOT EXISTS extents (run TEXT, partition INTEGER, offset INTEGER,
+    file TEXT NOT NULL, pos INTEGER NOT NULL, length INTEGER NOT NULL, bulk INTEGER NOT NULL,
     PRIMARY KEY (run, partition, offset));
 CREATE TABLE IF NOT EXISTS writers (run TEXT, writer TEXT, epoch INTEGER NOT NULL,
     PRIMARY KEY (run, writer));
@@ -173,8 +176,10 @@ class _Transaction(LogTransaction):
     def __init__(self, log: EmbeddedLog, conn: sqlite3.Connection) -> None:
         self._log, self._conn = log, conn
         self._next: dict[int, int] = {}
+        self._appender: segments.Appender | None = None
+        self._segment: dict[int, str | None] = {}  # partition -> the segment file it appends to
 
-    def append(self, partition: int, value: bytes) -> None:
+    def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
         nxt = self._next.get(partition)
         if nxt is None:
             row = self._conn.execute(
@@ -184,12 +189,39 @@ class _Transaction(LogTransaction):
             if row is None:
                 raise EventLogError(f"run {self._log.run_id!r} has no partition {partition}")
             nxt = row[0]
-        self._conn.execute(
-            "INSERT INTO records VALUES (?,?,?,?)", (self._log.run_id, partition, nxt, value)
-        )
+        if bulk_at is not None and len(value) >= knobs.EMBEDDED_SEGMENT_MIN_BYTES \
+                and self._log._db.records_have_rowid():
+            self._out_of_line(partition, nxt, value, bulk_at)
+        else:
+            self._conn.execute(
+                "INSERT INTO records VALUES (?,?,?,?)", (self._log.run_id, partition, nxt, value)
+            )
         self._next[partition] = nxt + 1
 
+    def _out_of_line(self, partition: int, offset: int, value: bytes, bulk_at: int) -> None:
+        """The message in the partition's segment file; its row says where (and holds no bytes)."""
+        run = self._log.run_id
+        if self._appender is None:
+            self._appender = segments.Appender(self._log._segments_root, knobs.EMBEDDED_SEGMENT_BYTES)
+        if partition not in self._segment:
+            row = self._conn.execute(
+                "SELECT file FROM extents WHERE run=? AND partition=? ORDER BY offset DESC LIMIT 1",
+                (run, partition),
+            ).fetchone()
+            self._segment[partition] = None if row is None else str(row[0])
+        name, pos = self._appender.append(self._segment[partition], partition, offset, value, bulk_at)
+        self._segment[partition] = name
+        self._conn.execute("INSERT INTO records VALUES (?,?,?,?)", (run, partition, offset, b""))
+        self._conn.execute("INSERT INTO extents VALUES (?,?,?,?,?,?,?)",
+                           (run, partition, offset, name, pos, len(value), bulk_at))
+
+    def close(self) -> None:
+        if self._appender is not None:
+            self._appender.close()
+
     def finish(self) -> None:
+        if self._appender is not None:
+            self._appender.flush()  # the bytes are durable before the rows naming them commit
         for partition, nxt in self._next.items():
             self._conn.execute(
                 "UPDATE partitions SET next_offset=? WHERE run=? AND partition=?",
@@ -223,8 +255,11 @@ class _Writer(LogWriter):
                         f"newer writer with the same id (epoch {row[0] if row else '?'} > {self._epoch})"
                     )
                 txn = _Transaction(self._log, conn)
-                yield txn
-                txn.finish()
+                try:
+                    yield txn
+                    txn.finish()
+                finally:
+                    txn.close()
         except sqlite3.Error as exc:
             raise db.wrap(exc) from exc
         self._checkpoint.request()
@@ -356,6 +391,46 @@ class _BlobStream:
         return self._pos
 
 
+class _ViewStream:
+    """A segment-file record as a ``MessageStream``: the read of its bulk field returns a
+    view of the map (no copy); every other read, its own bytes."""
+
+    def __init__(self, view: memoryview, bulk_at: int) -> None:
+        self._view, self._bulk, self._pos = view, bulk_at, 0
+
+    def read(self, n: int = -1, /) -> bytes:
+        start = self._pos
+        end = len(self._view) if n < 0 else min(len(self._view), start + n)
+        self._pos = end
+        if start == self._bulk and end > start:
+            return self._view[start:end]  # type: ignore[return-value]  # read-only view
+        return bytes(self._view[start:end])
+
+    def tell(self) -> int:
+        return self._pos
+
+
+class _Stored(NamedTuple):
+    """Where one record's bytes are: a SQLite blob, or a view of a segment file."""
+
+    blob: sqlite3.Blob | None
+    view: memoryview | None
+    bulk_at: int
+    db: _Database
+
+    def size(self) -> int:
+        return len(self.blob) if self.blob is not None else len(self.view or b"")
+
+    def value(self) -> bytes:
+        """The record's bytes (a copy)."""
+        return self.blob.read() if self.blob is not None else bytes(self.view or b"")
+
+    def stream(self) -> MessageStream:
+        if self.blob is not None:
+            return _BlobStream.over(self.blob, self.db)
+        return _ViewStream(self.view or memoryview(b""), self.bulk_at)
+
+
 class EmbeddedLog(EventLog):
     """A run's log in a SQLite file."""
 
@@ -366,6 +441,8 @@ class EmbeddedLog(EventLog):
 
     def __init__(self, url: str, run_id: str) -> None:
         self.url, self.run_id = url, run_id
+        self._segments_root = segments.directory(path_from_url(url), run_id)
+        self._segments = segments.Reader(self._segments_root)
         try:
             self._db = _Database(path_from_url(url), EventLogError)
         except sqlite3.Error as exc:
@@ -419,8 +496,8 @@ class EmbeddedLog(EventLog):
                 self._range(partition, gt, lte, limit),
             ).fetchall()
             return [Record(partition, int(o), bytes(v)) for o, v in rows]
-        return self._blobs(partition, gt, lte, limit,
-                           lambda blob, offset: Record(partition, offset, blob.read()))
+        return self._stored(partition, gt, lte, limit,
+                            lambda at, offset: Record(partition, offset, at.value()))
 
     @_wrapped
     def read_decoded(
@@ -429,15 +506,15 @@ class EmbeddedLog(EventLog):
     ) -> list[Decoded]:
         if not self._db.records_have_rowid():
             return super().read_decoded(partition, decode, gt=gt, lte=lte, limit=limit)
-        return self._blobs(partition, gt, lte, limit, lambda blob, offset: Decoded(
-            offset, len(blob), decode(_BlobStream.over(blob, self._db), len(blob), offset)))
+        return self._stored(partition, gt, lte, limit, lambda at, offset: Decoded(
+            offset, at.size(), decode(at.stream(), at.size(), offset)))
 
     def scan_decoded(
         self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
         lte: int | None = None, batch: int = 256,
     ) -> Iterator[Decoded]:
-        # One record per read: decoded from its blob (one copy of a large payload), and
-        # never before the caller reaches it. Larger batches decode from memory, lazily.
+        # One record per read: decoded from its blob (one copy of a large payload) or its
+        # segment file (none), and never before the caller reaches it. Larger batches decode from memory, lazily.
         if batch != 1:
             return super().scan_decoded(partition, decode, gt=gt, lte=lte, batch=batch)
         return paged(lambda cursor: self.read_decoded(partition, decode, gt=cursor, lte=lte, limit=1),
@@ -448,29 +525,36 @@ class EmbeddedLog(EventLog):
         return (self.run_id, partition, -1 if gt is None else gt,
                 (1 << 62) if lte is None else lte, -1 if limit is None else limit)
 
-    def _blobs(self, partition: int, gt: int | None, lte: int | None, limit: int | None,
-               each: Callable[[sqlite3.Blob, int], R]) -> list[R]:
-        """``each(blob, offset)`` for every record in ``(gt, lte]``, oldest first.
+    def _stored(self, partition: int, gt: int | None, lte: int | None, limit: int | None,
+                each: Callable[[_Stored, int], R]) -> list[R]:
+        """``each(stored, offset)`` for every record in ``(gt, lte]``, oldest first.
 
-        The rows are found first, then each value is read through an incremental blob
-        handle: ``sqlite3.Blob.read`` copies once, straight into the bytes object, with the
-        GIL released, where ``SELECT value`` copies twice holding it (readers of several
-        shards in threads then run one at a time). The read transaction makes the lookup
-        and the blob reads see one snapshot of the database, as one SELECT would."""
+        The rows are found first. A record kept in SQLite is then read through an
+        incremental blob handle: ``sqlite3.Blob.read`` copies once, straight into the
+        bytes object, with the GIL released, where ``SELECT value`` copies twice holding
+        it (readers of several shards in threads then run one at a time). A record kept in
+        a segment file is a view of its map. The read transaction makes the lookup and the
+        blob reads see one snapshot of the database, as one SELECT would."""
         conn = self._db.conn()
         own = not conn.in_transaction
         if own:
             conn.execute("BEGIN")
         try:
             rows = conn.execute(
-                "SELECT rowid, offset FROM records WHERE run=? AND partition=? AND offset>? "
-                "AND offset<=? ORDER BY offset LIMIT ?",
+                "SELECT r.rowid, r.offset, e.file, e.pos, e.length, e.bulk FROM records r "
+                "LEFT JOIN extents e ON e.run=r.run AND e.partition=r.partition AND e.offset=r.offset "
+                "WHERE r.run=? AND r.partition=? AND r.offset>? AND r.offset<=? ORDER BY r.offset LIMIT ?",
                 self._range(partition, gt, lte, limit),
             ).fetchall()
             out = []
-            for rowid, o in rows:
+            for rowid, o, file, pos, length, bulk in rows:
+                if file is not None:
+                    where = f"run {self.run_id!r} partition {partition} offset {o}"
+                    view = self._segments.view(str(file), int(pos), int(length), where)
+                    out.append(each(_Stored(None, view, int(bulk), self._db), int(o)))
+                    continue
                 with conn.blobopen("records", "value", rowid, readonly=True) as blob:
-                    out.append(each(blob, int(o)))
+                    out.append(each(_Stored(blob, None, 0, self._db), int(o)))
         except BaseException:
             if own and conn.in_transaction:
                 conn.execute("ROLLBACK")
@@ -496,19 +580,48 @@ class EmbeddedLog(EventLog):
 
     @_wrapped
     def truncate_before(self, partition: int, offset: int) -> None:
+        key = (self.run_id, partition)
         with self._db.txn() as c:
-            c.execute(
-                "DELETE FROM records WHERE run=? AND partition=? AND offset<?",
-                (self.run_id, partition, offset),
-            )
+            for table in ("records", "extents"):
+                c.execute(f"DELETE FROM {table} WHERE run=? AND partition=? AND offset<?", (*key, offset))
             c.execute(
                 "UPDATE partitions SET start_offset=MAX(start_offset, MIN(?, next_offset)) "
                 "WHERE run=? AND partition=?",
-                (offset, self.run_id, partition),
+                (offset, *key),
             )
+            start = self._partition_row(partition)[1]
+            referenced = {str(f) for (f,) in c.execute(
+                "SELECT DISTINCT file FROM extents WHERE run=? AND partition=?", key)}
+        # Only after the commit: a failed one would bring back rows naming deleted files.
+        segments.remove_below(self._segments_root, partition, start, referenced)
 
     def close(self) -> None:
+        self._segments.close()
         self._db.close()
+
+
+def inline_segments(path: Path, segments_of: Path | None = None) -> int:
+    """Move every message of the database at ``path`` that lives in a segment file into
+    SQLite, the layout that versions before segment files read (for a downgrade, or for a
+    tool that reads messages with SQL). ``segments_of``: the database whose segment files
+    hold them, for a copy of it (default: ``path``). The segment files are left in place.
+    Returns the number of messages moved."""
+    source = segments_of or path
+    db = _Database(path, EventLogError)
+    try:
+        with db.txn() as c:
+            rows = c.execute("SELECT run, partition, offset, file, pos, length FROM extents").fetchall()
+            for run, partition, offset, name, pos, length in rows:
+                where = f"run {run!r} partition {partition} offset {offset}"
+                value = bytes(segments.Reader(segments.directory(source, run)).view(name, pos, length, where))
+                c.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
+                          (value, run, partition, offset))
+            c.execute("DELETE FROM extents")
+    except sqlite3.Error as exc:
+        raise db.wrap(exc) from exc
+    finally:
+        db.close()
+    return len(rows)
 
 
 def list_runs(url: str) -> list[str]:

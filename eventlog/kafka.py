@@ -287,8 +287,8 @@ class _KafkaTransaction(LogTransaction):
     def __init__(self, writer: _KafkaWriter) -> None:
         self._writer = writer
 
-    def append(self, partition: int, value: bytes) -> None:
-        self._writer._produce(partition, value)
+    def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
+        self._writer._produce(partition, value)  # a fetched message is one buffer: no views
 
 
 class _KafkaWriter(LogWriter):

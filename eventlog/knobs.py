@@ -47,6 +47,12 @@ SETTLE_S = float(os.environ.get("REWIND_SETTLE_S") or 30.0)
 #: Whether parallel replays share torch's intra-op threads among their workers (1) or let
 #: every worker's optimizer step use all of them (0).
 REPLAY_TORCH_THREADS = _int("REPLAY_TORCH_THREADS", 1)
+#: Tensor chunk messages of at least this many bytes are kept out of line in the embedded
+#: log, in segment files read through memory maps (``eventlog.segments``); smaller ones
+#: stay in SQLite. 0: every tensor chunk.
+EMBEDDED_SEGMENT_MIN_BYTES = _int("EMBEDDED_SEGMENT_MIN_BYTES", 0)
+#: Size at which the embedded log starts a new segment file for a partition.
+EMBEDDED_SEGMENT_BYTES = _int("EMBEDDED_SEGMENT_BYTES", 1024**3)
 #: Whether folds batch consecutive optimizer steps and run them tile by tile (1), or run
 #: each step over the whole shard and check its predicted digests at once (0).
 REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)

@@ -33,7 +33,9 @@ class Record:
 
 class MessageStream(Protocol):
     """One record's bytes as a stream: ``read(n)`` returns the next ``n`` bytes (fewer at
-    the end; all the rest for -1), ``tell()`` the position."""
+    the end; all the rest for -1), ``tell()`` the position. A read of exactly the
+    message's bulk field (see ``LogTransaction.append``) may return a read-only
+    ``memoryview`` of the store instead of a copy."""
 
     def read(self, n: int = -1, /) -> bytes: ...
 
@@ -57,8 +59,11 @@ class LogTransaction(abc.ABC):
     """Messages appended inside one atomic transaction."""
 
     @abc.abstractmethod
-    def append(self, partition: int, value: bytes) -> None:
-        """Queue one message for ``partition``; visible only if the transaction commits."""
+    def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
+        """Queue one message for ``partition``; visible only if the transaction commits.
+
+        ``bulk_at``: where the message's bulk field (a tensor chunk's payload) begins. A store that can keep it aligned, and hand it to
+        readers as a view instead of a copy, does so; others ignore it."""
 
 
 class LogWriter(abc.ABC):

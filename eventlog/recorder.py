@@ -417,7 +417,8 @@ class Recorder:
                                    f"{self.writer_id}#{self.session}", now, body)
                     if keys is not None:
                         env = crypto.encrypt_event(env, keys)
-                    txn.append(shard, self._serialize(env))
+                    data, bulk_at = self._serialize.with_bulk(env)
+                    txn.append(shard, data, bulk_at=bulk_at)
                     gsn += 1
         except BaseException:
             try:  # give the version back, so a retry after restore() is not stale

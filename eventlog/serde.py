@@ -34,6 +34,39 @@ class EnvelopeSerializer:
         fastavro.schemaless_writer(buf, self._schema.parsed, envelope.to_avro())
         return buf.getvalue()
 
+    def with_bulk(self, envelope: Envelope) -> tuple[bytes, int | None]:
+        """The message, and where its bulk field (a tensor chunk's payload) begins in it
+        (``None`` for an event without one): for ``LogTransaction.append``."""
+        data = self(envelope)
+        payload = getattr(envelope.body, "payload", None)
+        if self._schema.version != schemas.SCHEMA_VERSION or not isinstance(payload, bytes) or not payload:
+            return data, None
+        # The payload is the chunk's last field, and only the envelope's key_id follows it.
+        at = len(data) - len(_optional_string(envelope.key_id)) - len(payload)
+        edge = min(64, len(payload))
+        if at < HEADER_BYTES or data[at:at + edge] != payload[:edge] \
+                or data[at + len(payload) - edge:at + len(payload)] != payload[-edge:]:
+            return data, None  # not where the schema puts it: no hint, rather than a wrong one
+        return data, at
+
+
+def _optional_string(value: str | None) -> bytes:
+    """The Avro encoding of a ``["null", "string"]`` union."""
+    if value is None:
+        return b"\x00"
+    raw = value.encode()
+    return b"\x02" + _varint(len(raw)) + raw
+
+
+def _varint(n: int) -> bytes:
+    """An Avro long (zigzag, then base-128 little-endian)."""
+    z, out = (n << 1) ^ (n >> 63), bytearray()
+    while z >= 0x80:
+        out.append((z & 0x7F) | 0x80)
+        z >>= 7
+    out.append(z)
+    return bytes(out)
+
 
 class EnvelopeDeserializer:
     """Decodes single-object messages of any known schema version; ``(bytes, where) -> Envelope``."""

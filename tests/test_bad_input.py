@@ -50,6 +50,8 @@ from eventlog import (
 from eventlog.events import TensorDelta
 from eventlog.fold import rebuild
 
+from .storage import inline_segments
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -88,6 +90,7 @@ def record(tmp_path: Path, run_id: str = "alpha", versions: int = 3, seed: int =
                 model.counts[v] += 1
             rec.commit(step=100 + v, metrics={"loss": 1.0 / (v + 1)}, wait=True)
     settle(db)
+    inline_segments(db)  # every message in table records, where the cases damage it
     return Run(db, url, run_id, model)
 
 

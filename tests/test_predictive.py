@@ -21,6 +21,8 @@ from eventlog.fold import rebuild
 from eventlog.recorder import CommitResult
 from replayer.replay import replay, state_dicts
 
+from .storage import inline_segments
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
     "adam-foreach-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-3, foreach=True, amsgrad=True, weight_decay=0.01),
@@ -366,6 +368,7 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
     for _ in range(4):
         live.train(1)
     live.rec.close()
+    inline_segments(db)
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT partition, offset, value FROM records WHERE run='grads' AND partition>=0").fetchall()
         grads = [(p, o, bytes(v), body) for p, o, v in rows

@@ -1,0 +1,218 @@
+"""The embedded log's segment files: tensor chunks kept out of SQLite, read through maps.
+
+What a user would notice: the bytes come back exact, through every read path; a payload is
+a view of the file, aligned for vector loads (no copy); a writer SIGKILLed mid-transaction
+loses nothing committed and leaves nothing visible; a damaged or missing file is named; a
+truncated log gives its disk space back; a file written before segments still reads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eventlog import CorruptStoreError, knobs, serde
+from eventlog import tensorcodec as tc
+from eventlog.embedded import EmbeddedLog
+from eventlog.events import Envelope, TensorDelta
+from eventlog.ports import CONTROL
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _envelope(payload: bytes, key_id: str | None = None) -> Envelope:
+    delta = TensorDelta("w", "float32", (len(payload) // 4,), 0, 1, 0, len(payload), TensorDelta.GRAD,
+                        "none", 0, tc.digest(payload), payload)
+    return Envelope("r", 1, 1, 1, 0, "w", 0, delta, key_id)
+
+
+def _append(log: EmbeddedLog, payloads: list[bytes], writer: str = "w") -> None:
+    w = log.writer(writer)
+    for p in payloads:
+        with w.transaction() as txn:
+            data, bulk_at = serde.encode.with_bulk(_envelope(p))
+            txn.append(0, data, bulk_at=bulk_at)
+            txn.append(CONTROL, b"small")
+    w.close()
+
+
+def _payload(i: int, n: int = 40_000) -> bytes:
+    return np.random.default_rng(i).bytes(n)
+
+
+def _decode(stream, size, offset):  # type: ignore[no-untyped-def]
+    return serde.decode.from_stream(stream, size, f"offset {offset}")
+
+
+def _segment_files(db: Path) -> list[str]:
+    return sorted(p.name for p in Path(f"{db}.segments").rglob("*.seg"))
+
+
+@pytest.mark.parametrize("key_id", [None, "key-1"])
+def test_the_bulk_offset_is_where_the_payload_is(key_id: str | None) -> None:
+    payload = _payload(0, 4096)
+    data, at = serde.encode.with_bulk(_envelope(payload, key_id))
+    assert at is not None and data[at:at + len(payload)] == payload
+    assert serde.encode.with_bulk(Envelope("r", 1, 1, 1, -1, "w", 0, _envelope(b"").body))[1] is None
+
+
+def test_a_chunk_lives_in_a_segment_file_and_is_read_as_an_aligned_view(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    payloads = [_payload(i, 4 * (1000 + 37 * i)) for i in range(5)]
+    _append(log, payloads)
+    # SQLite holds no chunk bytes; the control records stay in it.
+    sizes = sqlite3.connect(db).execute(
+        "SELECT partition, length(value) FROM records ORDER BY partition, offset").fetchall()
+    assert sizes == [(-1, 5)] * 5 + [(0, 0)] * 5
+    assert _segment_files(db) == ["p0-00000000000000000000.seg"]
+    # Every read path gives back the exact message.
+    want = [serde.encode(_envelope(p)) for p in payloads]
+    assert [r.value for r in log.read(0)] == want
+    assert [r.value for r in log.scan(0, batch=2)] == want
+    decoded = list(log.scan_decoded(0, _decode, batch=1))
+    assert [d.value.body.payload for d in decoded] == payloads
+    assert [d.size for d in decoded] == [len(m) for m in want]
+    for d in decoded:
+        payload = d.value.body.payload
+        assert isinstance(payload, memoryview) and payload.readonly
+        assert np.frombuffer(payload, np.uint8).ctypes.data % 64 == 0
+    log.close()
+
+
+def test_a_writer_killed_mid_transaction_leaves_the_committed_records_whole(tmp_path: Path) -> None:
+    """A real process, SIGKILLed after its chunk reached the segment file but before the
+    commit: the next writer appends after the orphan bytes, and no reader ever sees them."""
+    db = tmp_path / "k.db"
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(ROOT)!r})
+        from eventlog import serde
+        from eventlog.embedded import EmbeddedLog
+        from tests.test_segments import _envelope, _payload
+        log = EmbeddedLog("sqlite://{db}", "r")
+        log.create(1)
+        w = log.writer("w")
+        with w.transaction() as txn:
+            data, at = serde.encode.with_bulk(_envelope(_payload(0)))
+            txn.append(0, data, bulk_at=at)
+        with w.transaction() as txn:
+            data, at = serde.encode.with_bulk(_envelope(_payload(1)))
+            txn.append(0, data, bulk_at=at)
+            os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    seg = next(Path(f"{db}.segments").rglob("*.seg"))
+    orphaned = seg.stat().st_size
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    assert log.end_offset(0) == 1
+    assert [d.value.body.payload for d in log.scan_decoded(0, _decode, batch=1)] == [_payload(0)]
+    _append(log, [_payload(2)], writer="w")
+    assert seg.stat().st_size > orphaned  # appended after the dead writer's bytes
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == \
+        [_payload(0), _payload(2)]
+    log.close()
+
+
+def test_a_missing_or_short_segment_file_is_named(tmp_path: Path) -> None:
+    db = tmp_path / "m.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0), _payload(1)])
+    log.close()
+    seg = next(Path(f"{db}.segments").rglob("*.seg"))
+    with open(seg, "r+b") as f:
+        f.truncate(seg.stat().st_size - 10)
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    assert len(log.read(0, lte=0)) == 1  # the first record is still whole
+    with pytest.raises(CorruptStoreError, match=f"segment file {seg} holds .* offset 1|offset 1.*{seg}"):
+        log.read(0)
+    log.close()
+    seg.unlink()
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    with pytest.raises(CorruptStoreError, match=f"partition 0 offset 0: segment file {seg} is missing"):
+        list(log.scan_decoded(0, _decode, batch=1))
+    log.close()
+
+
+def test_a_row_naming_a_file_outside_the_run_is_refused(tmp_path: Path) -> None:
+    db = tmp_path / "t.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0)])
+    log.close()
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE extents SET file='../../../etc/passwd'")
+    conn.commit()
+    conn.close()
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    with pytest.raises(CorruptStoreError, match="offset 0: bad segment file name '../../../etc/passwd'"):
+        log.read(0)
+    log.close()
+
+
+def test_truncation_deletes_the_files_wholly_below_the_new_start(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", 100_000)  # two 40 KB chunks a file
+    db = tmp_path / "r.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    payloads = [_payload(i) for i in range(7)]
+    _append(log, payloads)
+    names = [f"p0-{i:020d}.seg" for i in (0, 2, 4, 6)]
+    assert _segment_files(db) == names
+    log.truncate_before(0, 3)  # offset 2's file still holds offset 3
+    assert _segment_files(db) == names[1:]
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == payloads[3:]
+    log.truncate_before(0, 7)
+    assert _segment_files(db) == []
+    _append(log, [_payload(9)])  # a new file, named by its first offset
+    assert _segment_files(db) == ["p0-00000000000000000007.seg"]
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == [_payload(9)]
+    log.close()
+
+
+def test_records_kept_in_sqlite_and_in_segments_read_alike(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log written before segments existed (every record in SQLite) goes on being read,
+    and appended to, by this version."""
+    db = tmp_path / "o.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 1 << 40)
+    _append(log, [_payload(0), _payload(1)])
+    assert _segment_files(db) == []
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 0)
+    _append(log, [_payload(2)])
+    assert _segment_files(db) == ["p0-00000000000000000002.seg"]
+    decoded = list(log.scan_decoded(0, _decode, batch=1))
+    assert [bytes(d.value.body.payload) for d in decoded] == [_payload(i) for i in range(3)]
+    assert [type(d.value.body.payload) for d in decoded] == [bytes, bytes, memoryview]
+    log.close()
+
+
+def test_an_unsealed_version_in_a_segment_does_not_survive_a_reopen(tmp_path: Path) -> None:
+    """Bytes of a transaction that raised are in the file but in no row."""
+    db = tmp_path / "a.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    w = log.writer("w")
+    with pytest.raises(RuntimeError), w.transaction() as txn:
+        data, at = serde.encode.with_bulk(_envelope(_payload(5)))
+        txn.append(0, data, bulk_at=at)
+        raise RuntimeError("abort")
+    w.close()
+    assert os.path.getsize(next(Path(f"{db}.segments").rglob("*.seg"))) > 0
+    assert log.read(0) == [] and log.end_offset(0) == 0
+    log.close()
