@@ -4,6 +4,10 @@
     git worktree add --detach /tmp/before <commit>
     python -m benchmarks.compare DIR/rewind-bench-XXXX --before /tmp/before [--repeats 5]
 
+``--before-run`` gives the old version its own copy of the run, for a change of the stored
+format: e.g. ``python -m benchmarks.inline_copy RUN COPY`` writes the same log with every
+message in SQLite, as versions before segment files wrote it.
+
 Every measurement is ``benchmarks._timed`` in a fresh process (as in ``recovery_s``), run
 from each source tree in turn, interleaved (before, after, before, after...), so both see
 the same machine load; the table shows medians. The rows: replay of the newest version with
@@ -41,20 +45,28 @@ def _env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
+def _replay_args(run: Path, run_id: str) -> list[str]:
+    """``benchmarks._timed replay``'s log, coordinator, run and snapshot arguments."""
+    db = f"sqlite://{run / 'embedded' / 'rewind.db'}"
+    return [db, db, run_id, f"file://{run / 'embedded' / 'snapshots'}"]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.compare", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("run_dir", help="a run kept by python -m benchmarks --keep")
     ap.add_argument("--before", required=True, help="source tree of the old version")
     ap.add_argument("--after", default=str(HERE), help="source tree of the new version (this one)")
+    ap.add_argument("--before-run", help="the run the old version reads (default: run_dir), "
+                    "the same log in the old version's format")
     ap.add_argument("--run", default="bench", help="run id (the benchmark's is 'bench')")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
     run = Path(args.run_dir).resolve()
-    db = f"sqlite://{run / 'embedded' / 'rewind.db'}"
-    base = [db, db, args.run, f"file://{run / 'embedded' / 'snapshots'}"]
     trees = {"before": Path(args.before).resolve(), "after": Path(args.after).resolve()}
-    probe = timed(trees["after"], ["replay", *base, "2", "latest"])
+    runs = {"before": Path(args.before_run).resolve() if args.before_run else run, "after": run}
+    base = {side: _replay_args(r, args.run) for side, r in runs.items()}
+    probe = timed(trees["after"], ["replay", *base["after"], "2", "latest"])
     rows = {"replay, 1 worker": ["1", "latest"], "replay, 2 workers": ["2", "latest"],
             "snapshot alone, 2 workers": ["2", f"version={probe['snapshot_version']}"]}
     times: dict[tuple[str, str], list[float]] = {}
@@ -62,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(args.repeats):
         for row, extra in rows.items():
             for side, tree in trees.items():
-                got = timed(tree, ["replay", *base, *extra])
+                got = timed(tree, ["replay", *base[side], *extra])
                 times.setdefault((row, side), []).append(got["seconds"])
                 digests.setdefault((row, ""), set()).add(got["state_digest"])
     checkpoint = run / "checkpoint.pt"
