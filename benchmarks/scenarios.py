@@ -579,7 +579,8 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                snapshot_at=(1 + versions - tail) if need_snapshot else None,
                label="embedded", recording=rec)
         meta["recording_s"] = time.perf_counter() - t0
-        meta["log_file_bytes"] = sum(p.stat().st_size for p in d.glob("rewind.db*"))
+        meta["log_file_bytes"] = sum(p.stat().st_size for p in d.glob("rewind.db*") if p.is_file()) \
+            + sum(p.stat().st_size for p in d.glob("rewind.db.segments/*/*.seg"))
         # The checkpoint torch.load reads: the newest version's state, written in this run.
         rec.last_checkpoint = str(root / "checkpoint.pt")
         save_checkpoint(work, rec.last_checkpoint, fsync=True)
