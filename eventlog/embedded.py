@@ -32,6 +32,7 @@ from .errors import (
     FencedError,
     RewindError,
     StaleVersionError,
+    TruncatedHistoryError,
 )
 from .ports import (
     CONTROL,
@@ -549,8 +550,7 @@ class EmbeddedLog(EventLog):
             out = []
             for rowid, o, file, pos, length, bulk in rows:
                 if file is not None:
-                    where = f"run {self.run_id!r} partition {partition} offset {o}"
-                    view = self._segments.view(str(file), int(pos), int(length), where)
+                    view = self._segment_view(partition, int(o), str(file), int(pos), int(length))
                     out.append(each(_Stored(None, view, int(bulk), self._db), int(o)))
                     continue
                 with conn.blobopen("records", "value", rowid, readonly=True) as blob:
@@ -562,6 +562,28 @@ class EmbeddedLog(EventLog):
         if own:
             conn.execute("COMMIT")  # read only: ends the snapshot, writes nothing
         return out
+
+    def _segment_view(self, partition: int, offset: int, name: str, pos: int, length: int) -> memoryview:
+        """A record's bytes in its segment file. A file that is gone was deleted by a
+        truncation that committed after this read began (or by hand): which one, the
+        partition's start offset now says, on a connection outside this read."""
+        where = f"run {self.run_id!r} partition {partition} offset {offset}"
+        try:
+            return self._segments.view(name, pos, length, where)
+        except FileNotFoundError as exc:
+            other = self._db.connect()
+            try:
+                start = other.execute(
+                    "SELECT start_offset FROM partitions WHERE run=? AND partition=?",
+                    (self.run_id, partition)).fetchone()
+            finally:
+                other.close()
+            if start is not None and offset < int(start[0]):
+                raise TruncatedHistoryError(
+                    f"{where} was truncated while it was being read (the partition now starts "
+                    f"at offset {int(start[0])})") from exc
+            raise CorruptStoreError(
+                f"{where}: segment file {self._segments_root / name} is missing") from exc
 
     def _partition_row(self, partition: int) -> tuple[int, int]:
         row = self._db.conn().execute(
@@ -594,6 +616,7 @@ class EmbeddedLog(EventLog):
                 "SELECT DISTINCT file FROM extents WHERE run=? AND partition=?", key)}
         # Only after the commit: a failed one would bring back rows naming deleted files.
         segments.remove_below(self._segments_root, partition, start, referenced)
+        self._segments.release_deleted()
 
     def close(self) -> None:
         self._segments.close()

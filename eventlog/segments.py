@@ -20,6 +20,7 @@ a 64-byte boundary, where vector loads of its elements run at full speed.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import re
@@ -30,6 +31,8 @@ from pathlib import Path
 import xxhash
 
 from .errors import CorruptStoreError, EventLogError
+
+_log = logging.getLogger(__name__)
 
 #: Alignment of a message's bulk field within its segment file (a cache line).
 ALIGN = 64
@@ -61,60 +64,64 @@ class Appender:
     def __init__(self, root: Path, roll_bytes: int) -> None:
         self._root, self._roll = root, roll_bytes
         self._fds: dict[str, int] = {}
-        self._new_file = False
+        self._opened_new = False  # a file no committed row named yet: its entry needs a sync
 
     def append(self, current: str | None, partition: int, offset: int, value: bytes,
                bulk_at: int) -> tuple[str, int]:
-        """Write ``value`` to the partition's segment ``current`` (or a new one, when there is
-        none or it is full); returns ``(file name, position)`` for the record's row."""
+        """Write ``value`` to the partition's segment ``current`` (the file its newest
+        committed record names), or to a new one when there is none or it is full; returns
+        ``(file name, position)`` for the record's row."""
         name = current
         if name is not None:
-            size = self._size(name)
-            if size is None or size + len(value) + ALIGN > self._roll:
+            size = self._size(name, existing=True)
+            if size + len(value) + ALIGN > self._roll:
                 name = None
         if name is None:
             name = file_name(partition, offset)
-            size = self._size(name)
-        assert size is not None
+            size = self._size(name, existing=False)
         pos = size + (-(size + bulk_at) % ALIGN)
-        fd = self._fds[name]
-        try:
-            written = os.pwrite(fd, value, pos)
-        except OSError as exc:
-            raise EventLogError(f"segment file {self._root / name}: cannot write: {exc}") from exc
-        if written != len(value):
-            raise EventLogError(f"segment file {self._root / name}: short write ({written} of {len(value)} bytes)")
+        self._write(name, value, pos)
         return name, pos
 
-    def _size(self, name: str) -> int | None:
-        """The file's size, opening (or creating) it first; ``None`` if it was deleted
-        (its partition was truncated past it)."""
+    def _write(self, name: str, value: bytes, pos: int) -> None:
+        view, done = memoryview(value), 0
+        try:
+            while done < len(view):  # pwrite may write less than asked; ENOSPC then raises
+                done += os.pwrite(self._fds[name], view[done:], pos + done)
+        except OSError as exc:
+            raise EventLogError(f"segment file {self._root / name}: cannot write "
+                                f"{len(view)} bytes at {pos}: {exc}") from exc
+
+    def _size(self, name: str, existing: bool) -> int:
+        """The file's size, opening it first. A file that committed rows name must exist:
+        creating it again would put new messages where those rows point."""
         fd = self._fds.get(name)
         path = self._root / name
         if fd is None:
             try:
-                self._root.mkdir(parents=True, exist_ok=True)
-                existed = path.exists()
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                if existing:
+                    fd = os.open(path, os.O_RDWR)
+                else:
+                    _make_dirs(self._root)
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+                    self._opened_new = True
+            except FileNotFoundError as exc:
+                raise CorruptStoreError(f"segment file {path}, which the log's newest records "
+                                        "name, is missing") from exc
             except OSError as exc:
                 raise EventLogError(f"segment file {path}: cannot open: {exc}") from exc
             self._fds[name] = fd
-            self._new_file |= not existed
-        st = os.fstat(fd)
-        return None if st.st_nlink == 0 else st.st_size
+        return os.fstat(fd).st_size
 
     def flush(self) -> None:
-        """Make every byte written so far durable (before the rows naming it commit)."""
+        """Make every byte written so far durable, and the entries of the files it went to
+        (before the rows naming them commit)."""
         try:
             for fd in self._fds.values():
                 os.fdatasync(fd)
-            if self._new_file:
-                dfd = os.open(self._root, os.O_RDONLY)
-                try:
-                    os.fsync(dfd)
-                finally:
-                    os.close(dfd)
-                self._new_file = False
+            if self._opened_new:
+                _fsync_dir(self._root)
+                self._opened_new = False
         except OSError as exc:
             raise EventLogError(f"segment files in {self._root}: cannot flush: {exc}") from exc
 
@@ -124,20 +131,40 @@ class Appender:
         self._fds.clear()
 
 
+def _make_dirs(root: Path) -> None:
+    """Create the run's directory (and the segments directory), each made durable in its
+    parent: a committed row must never name a file whose directory a crash forgets."""
+    for d in (root.parent, root):
+        if not d.is_dir():
+            d.mkdir(exist_ok=True)
+            _fsync_dir(d.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class Reader:
-    """Read-only maps of a run's segment files, a few at a time. A view keeps its map
-    alive after the map leaves this cache (or its file is deleted)."""
+    """Maps of a run's segment files, a few at a time. A view keeps its map alive after
+    the map leaves this cache; a map whose file was deleted (its partition truncated)
+    leaves the cache at its next use, so that its disk space can be given back."""
 
     KEEP = 8
 
     def __init__(self, root: Path) -> None:
         self._root = root
-        self._maps: OrderedDict[str, memoryview] = OrderedDict()
+        self._maps: OrderedDict[str, tuple[memoryview, int]] = OrderedDict()  # name -> (map, fd)
         self._lock = threading.Lock()
 
     def view(self, name: str, pos: int, length: int, where: str) -> memoryview:
-        """``length`` bytes at ``pos`` of segment file ``name``, without a copy. The row that
-        says where they are is checked first: a bad name or range is an error naming it."""
+        """``length`` bytes at ``pos`` of segment file ``name``, read-only, without a copy.
+        The row that says where they are is checked first: a bad name or range is an error
+        naming it. A missing file raises ``FileNotFoundError`` (the caller knows whether
+        its partition was truncated meanwhile)."""
         if _NAME.fullmatch(name) is None:
             raise CorruptStoreError(f"{where}: bad segment file name {name!r}")
         if pos < 0 or length < 0:
@@ -145,44 +172,72 @@ class Reader:
         if length == 0:
             return memoryview(b"")
         with self._lock:
-            mapped = self._maps.get(name)
-            if mapped is None or pos + length > len(mapped):
-                mapped = self._map(name, pos + length, where)
-            self._maps.move_to_end(name)
+            cached = self._maps.get(name)
+            if cached is None or pos + length > len(cached[0]):
+                cached = self._map(name, pos + length, where)
+            mapped, fd = cached
+            if os.fstat(fd).st_nlink == 0:
+                self._drop(name)  # deleted: serve this read, then let it go
+            else:
+                self._maps.move_to_end(name)
             return mapped[pos:pos + length]
 
-    def _map(self, name: str, need: int, where: str) -> memoryview:
+    def _map(self, name: str, need: int, where: str) -> tuple[memoryview, int]:
         path = self._root / name
+        self._drop(name)
         try:
-            with open(path, "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                if need > size:
-                    raise CorruptStoreError(
-                        f"{where}: segment file {path} holds {size} bytes, the record ends at "
-                        f"byte {need} (truncated?)")
-                mapped = memoryview(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ))
-        except FileNotFoundError as exc:
-            raise CorruptStoreError(f"{where}: segment file {path} is missing") from exc
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise
         except OSError as exc:
             raise CorruptStoreError(f"{where}: segment file {path} cannot be read: {exc}") from exc
-        self._maps[name] = mapped
+        try:
+            size = os.fstat(fd).st_size
+            if need > size:
+                raise CorruptStoreError(
+                    f"{where}: segment file {path} holds {size} bytes, the record ends at "
+                    f"byte {need} (truncated?)")
+            # Private and writable underneath, read-only on top: a stray write into a view
+            # then lands in a private copy of its page, not in a fault that kills the process.
+            mapped = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY)).toreadonly()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._maps[name] = (mapped, fd)
         while len(self._maps) > self.KEEP:
-            self._maps.popitem(last=False)
-        return mapped
+            self._drop(next(iter(self._maps)))
+        return mapped, fd
+
+    def _drop(self, name: str) -> None:
+        cached = self._maps.pop(name, None)
+        if cached is not None:
+            os.close(cached[1])
+
+    def release_deleted(self) -> None:
+        """Let go of the maps of deleted files (views handed out keep theirs)."""
+        with self._lock:
+            for name, (_, fd) in list(self._maps.items()):
+                if os.fstat(fd).st_nlink == 0:
+                    self._drop(name)
 
     def close(self) -> None:
         with self._lock:
-            self._maps.clear()
+            for name in list(self._maps):
+                self._drop(name)
 
 
 def remove_below(root: Path, partition: int, start: int, referenced: set[str]) -> list[str]:
     """Delete the partition's segment files that lie wholly below offset ``start``: named
     below it and holding no committed record. (A file being written is named at or above
-    the partition's end, so it is never one of them.) Returns the names deleted."""
+    the partition's end, so it is never one of them.) Returns the names deleted. A file
+    that cannot be deleted is logged and left for the next truncation."""
     gone: list[str] = []
     try:
         names = os.listdir(root)
     except FileNotFoundError:
+        return gone
+    except OSError as exc:
+        _log.warning("segment files in %s cannot be listed (%s); none deleted", root, exc)
         return gone
     for name in sorted(names):
         first = _first_offset(name, partition)
@@ -193,4 +248,7 @@ def remove_below(root: Path, partition: int, start: int, referenced: set[str]) -
             gone.append(name)
         except FileNotFoundError:
             pass
+        except OSError as exc:
+            _log.warning("segment file %s lies below the start of partition %d but cannot be "
+                         "deleted (%s); the next truncation tries again", root / name, partition, exc)
     return gone

@@ -37,6 +37,7 @@ from eventlog import (
     RunAddress,
     RunNotFoundError,
     Target,
+    TruncatedHistoryError,
     tensorcodec,
 )
 from eventlog.apply import ShardState, verify_shard
@@ -188,9 +189,10 @@ class Follower:
                 self._publish(latest)
                 return FollowResult(before, latest, INCREMENTAL, latest - before, events,
                                     time.perf_counter() - t0)
-            except (IntegrityError, DecodeError) as exc:
-                # The shared fold refused the tail (short count, digest, damaged message):
-                # the staging state is suspect, so start again from a verified snapshot.
+            except (IntegrityError, DecodeError, TruncatedHistoryError) as exc:
+                # The shared fold refused the tail (short count, digest, damaged message,
+                # or retention truncated it under the read): the staging state is suspect,
+                # so start again from a verified snapshot.
                 reason = f"incremental step failed verification: {exc}"
                 _log.warning("follower %s: %s; doing a full sync", self.name, reason)
         state, report = replay(self.address, Target(), workers=self.workers)

@@ -143,7 +143,34 @@ def test_a_missing_or_short_segment_file_is_named(tmp_path: Path) -> None:
     log = EmbeddedLog(f"sqlite://{db}", "r")
     with pytest.raises(CorruptStoreError, match=f"partition 0 offset 0: segment file {seg} is missing"):
         list(log.scan_decoded(0, _decode, batch=1))
+    # A writer does not make the file again: new bytes would sit where the old rows point.
+    with pytest.raises(CorruptStoreError, match=f"segment file {seg}, which the log's newest records name, is missing"):
+        _append(log, [_payload(2)])
+    assert not seg.exists() and log.end_offset(0) == 2
     log.close()
+
+
+def test_a_stray_write_through_a_view_changes_neither_the_file_nor_kills_the_process(tmp_path: Path) -> None:
+    """torch makes a writable tensor over any buffer; written to, a view of the map takes a
+    private copy of its page instead of a fault (the map is private, the view read-only)."""
+    import warnings
+
+    import torch
+
+    db = tmp_path / "w.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0)])
+    (got,) = log.read_decoded(0, _decode)
+    array = np.frombuffer(got.value.body.payload, np.uint8)
+    assert not array.flags.writeable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.from_numpy(array).add_(1)
+    log.close()
+    fresh = EmbeddedLog(f"sqlite://{db}", "r")
+    assert [bytes(d.value.body.payload) for d in fresh.read_decoded(0, _decode)] == [_payload(0)]
+    fresh.close()
 
 
 def test_a_row_naming_a_file_outside_the_run_is_refused(tmp_path: Path) -> None:
@@ -167,18 +194,27 @@ def test_truncation_deletes_the_files_wholly_below_the_new_start(
     monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", 100_000)  # two 40 KB chunks a file
     db = tmp_path / "r.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
-    log.create(1)
+    log.create(2)
     payloads = [_payload(i) for i in range(7)]
     _append(log, payloads)
+    w = log.writer("w1")
+    with w.transaction() as txn:  # partition 1: its file must outlive partition 0's truncation
+        data, at = serde.encode.with_bulk(_envelope(_payload(8)))
+        txn.append(1, data, bulk_at=at)
+    w.close()
     names = [f"p0-{i:020d}.seg" for i in (0, 2, 4, 6)]
-    assert _segment_files(db) == names
+    assert _segment_files(db) == names + ["p1-00000000000000000000.seg"]
+    reading = list(log.scan_decoded(0, _decode, batch=1))  # views of the first file, held
     log.truncate_before(0, 3)  # offset 2's file still holds offset 3
-    assert _segment_files(db) == names[1:]
+    assert _segment_files(db) == names[1:] + ["p1-00000000000000000000.seg"]
+    assert bytes(reading[0].value.body.payload) == payloads[0]  # a held view stays valid
+    del reading
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(1, _decode, batch=1)] == [_payload(8)]
     assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == payloads[3:]
     log.truncate_before(0, 7)
-    assert _segment_files(db) == []
+    assert _segment_files(db) == ["p1-00000000000000000000.seg"]
     _append(log, [_payload(9)])  # a new file, named by its first offset
-    assert _segment_files(db) == ["p0-00000000000000000007.seg"]
+    assert _segment_files(db) == ["p0-00000000000000000007.seg", "p1-00000000000000000000.seg"]
     assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == [_payload(9)]
     log.close()
 
@@ -202,8 +238,8 @@ def test_records_kept_in_sqlite_and_in_segments_read_alike(
     log.close()
 
 
-def test_an_unsealed_version_in_a_segment_does_not_survive_a_reopen(tmp_path: Path) -> None:
-    """Bytes of a transaction that raised are in the file but in no row."""
+def test_a_rolled_back_transaction_leaves_bytes_that_no_reader_sees(tmp_path: Path) -> None:
+    """Bytes of a transaction that raised are in the file but in no row, also after a reopen."""
     db = tmp_path / "a.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)
@@ -213,6 +249,71 @@ def test_an_unsealed_version_in_a_segment_does_not_survive_a_reopen(tmp_path: Pa
         txn.append(0, data, bulk_at=at)
         raise RuntimeError("abort")
     w.close()
+    log.close()
     assert os.path.getsize(next(Path(f"{db}.segments").rglob("*.seg"))) > 0
+    log = EmbeddedLog(f"sqlite://{db}", "r")
     assert log.read(0) == [] and log.end_offset(0) == 0
     log.close()
+
+
+def test_a_flipped_byte_in_a_segment_file_is_named_by_the_replay(tmp_path: Path) -> None:
+    """A damaged gradient inside a segment file: the replay fails naming the place, and
+    the log is left as it was."""
+    import torch
+
+    from eventlog import CorruptMessageError, Recorder, RunAddress, Target
+    from replayer.replay import replay
+
+    db = tmp_path / "rewind.db"
+    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "flip")
+    model = torch.nn.Linear(64, 32)
+    opt = torch.optim.Adam(model.parameters())
+    with Recorder(address, model, opt, chunk_bytes=1024) as rec:
+        for step in range(3):
+            model(torch.randn(4, 64)).sum().backward()
+            opt.step()
+            rec.commit(step, wait=True)
+    with EmbeddedLog(f"sqlite://{db}", "flip") as log:
+        grads = [(d.offset, d.value) for d in log.scan_decoded(0, _decode, batch=1)
+                 if isinstance(d.value.body, TensorDelta) and d.value.body.encoding == TensorDelta.GRAD]
+    offset, env = grads[-1]
+    (name, pos, bulk) = sqlite3.connect(db).execute(
+        "SELECT file, pos, bulk FROM extents WHERE run='flip' AND partition=0 AND offset=?",
+        (offset,)).fetchone()
+    seg = next(Path(f"{db}.segments").rglob(name))
+    with open(seg, "r+b") as f:
+        at = pos + bulk + len(env.body.payload) // 2
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    before = seg.read_bytes()
+    with pytest.raises(CorruptMessageError) as info:
+        replay(address, Target())
+    msg = str(info.value)
+    assert f"run 'flip' shard 0 offset {offset}" in msg and repr(env.body.name) in msg, msg
+    assert seg.read_bytes() == before
+
+
+def test_a_truncation_racing_a_read_is_named_as_truncation(tmp_path: Path) -> None:
+    """A reader whose rows were listed before a truncation deleted their file gets
+    ``TruncatedHistoryError`` (a follower then resyncs from a snapshot), not "damaged"."""
+    from eventlog import TruncatedHistoryError
+
+    db = tmp_path / "race.db"
+    writer = EmbeddedLog(f"sqlite://{db}", "r")
+    writer.create(1)
+    _append(writer, [_payload(0), _payload(1)])
+    reader = EmbeddedLog(f"sqlite://{db}", "r")
+    view = reader._segments.view
+
+    def truncate_first(*args):  # type: ignore[no-untyped-def]
+        writer.truncate_before(0, 2)  # commits, then deletes the file under the reader
+        return view(*args)
+
+    reader._segments.view = truncate_first  # type: ignore[method-assign]
+    with pytest.raises(TruncatedHistoryError, match="partition 0 offset 0 was truncated while it "
+                                                   "was being read .*starts at offset 2"):
+        reader.read(0)
+    reader.close()
+    writer.close()
