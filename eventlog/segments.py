@@ -30,6 +30,7 @@ from pathlib import Path
 
 import xxhash
 
+from .durability import fsync_dir
 from .errors import CorruptStoreError, EventLogError
 
 _log = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ class Appender:
             for fd in self._fds.values():
                 os.fdatasync(fd)
             if self._opened_new:
-                _fsync_dir(self._root)
+                fsync_dir(self._root)
                 self._opened_new = False
         except OSError as exc:
             raise EventLogError(f"segment files in {self._root}: cannot flush: {exc}") from exc
@@ -137,15 +138,7 @@ def _make_dirs(root: Path) -> None:
     for d in (root.parent, root):
         if not d.is_dir():
             d.mkdir(exist_ok=True)
-            _fsync_dir(d.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+            fsync_dir(d.parent)
 
 
 class Reader:

@@ -26,6 +26,7 @@ import xxhash
 
 from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto, knobs
 from eventlog.apply import ShardState, TensorBits
+from eventlog.durability import fsync_dir
 from eventlog.fold import SmallStates
 from eventlog.tensorcodec import itemsize, nbytes_of, torch_dtype
 
@@ -143,14 +144,6 @@ def _atomic_write(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def shard_file_bytes(state: ShardState) -> bytes:
@@ -334,14 +327,14 @@ class SnapshotStore:
                 knobs.fault_point("snapshot", "files", i)
         _atomic_write(folder / "small.msgpack", small_bytes)
         entries.append(FileEntry("small.msgpack", len(small_bytes), digest_hex(small_bytes)))
-        _fsync_dir(folder)
+        fsync_dir(folder)
         if before_manifest is not None:
             before_manifest()
         knobs.fault_point("snapshot", "manifest")
         full = _with_files(manifest, entries, keys.active if keys else None)
         data = full.to_bytes()
         _atomic_write(folder / MANIFEST, data)
-        _fsync_dir(folder)
+        fsync_dir(folder)
         return f"{self.url}/{manifest.run_id}/{manifest.snapshot_id}", bytes.fromhex(digest_hex(data))
 
     def read_manifest(self, run_id: str, snapshot_id: str, expect_digest: bytes | None) -> Manifest:
