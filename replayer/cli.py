@@ -356,3 +356,7 @@ def main() -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+
+
+if __name__ == "__main__":  # python -m replayer.cli, as the rewind script
+    main()

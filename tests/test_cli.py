@@ -56,3 +56,11 @@ def test_unknown_target_and_missing_run_give_one_clear_line(tmp_path: Path) -> N
     assert "no Rewind run in" in missing.stderr and "Traceback" not in missing.stderr
     bad = _rewind("replay", "--log", "sqlite:///x.db", "--run", "r", "--to", "yesterday")
     assert bad.returncode == 2 and "bad replay target 'yesterday'" in bad.stderr
+
+
+def test_python_dash_m_runs_the_same_command_line(tmp_path: Path) -> None:
+    """``python -m replayer.cli`` is the ``rewind`` script (it did nothing before)."""
+    out = subprocess.run([sys.executable, "-m", "replayer.cli", "replay", "--run-dir", str(tmp_path / "x")],
+                         capture_output=True, text=True, timeout=300, check=False,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 2 and "no Rewind run in" in out.stderr
