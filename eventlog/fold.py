@@ -265,14 +265,25 @@ def fold_shard(
             seal = idx.seals[version].seal
             _log.warning(
                 "run %r shard %d: %d of the %d events of version %d the seal counts were read "
-                "after %.0f s without progress; the last offset read is %s, the end offset %d",
+                "after %.0f s without progress; the last offset read is %s, the end offset %d%s",
                 log.run_id, state.shard, state.applied_per_version.get(version, 0),
-                seal.shard_counts[state.shard], version, settle_s, gt, end + 1)
+                seal.shard_counts[state.shard], version, settle_s, gt, end + 1,
+                _reads_of(log, state.shard))
             break
         time.sleep(0.02)
     state.run_deferred()
     state.counts.seconds = time.perf_counter() - t0
     return state
+
+
+def _reads_of(log: EventLog, partition: int) -> str:
+    """``; <what the log's readers hold>`` for a diagnostic, or nothing (never raises: it
+    only adds to a warning)."""
+    try:
+        told = log.describe_reads(partition)
+    except Exception as exc:  # noqa: BLE001
+        told = f"(the readers could not be described: {exc})"
+    return f"; {told}" if told else ""
 
 
 def _short(state: ShardState, idx: ControlIndex, version: int) -> bool:

@@ -659,6 +659,13 @@ class _ReaderPool:
         finally:
             self._give_back(reader, ok)
 
+    def describe(self, topic: str, kp: int) -> str:
+        """The idle readers assigned to ``(topic, kp)``: cursor, stashed offsets, last gap."""
+        with self._cond:
+            return "; ".join(
+                f"cursor {r.cursor}, stash {[_offset(m) for m in r.stash]}, gap {r.gap}, live {r.live}"
+                for r in self._idle if r.at == (topic, kp))
+
     def _give_back(self, reader: _Reader, ok: bool) -> None:
         with self._cond:
             if ok and not self._closed:
@@ -909,6 +916,12 @@ class KafkaLog(EventLog):
             if reader.gap[1] > reader.gap[0]:
                 self._gaps[(topic, kp)] = reader.gap
             return out
+
+    def describe_reads(self, partition: int) -> str:
+        topic, kp = self._where(partition)
+        return (f"{topic} [{kp}]: low watermark and last stable offset {self._marks(topic, kp)}, "
+                f"cached empty range {self._gaps.get((topic, kp))}, idle readers "
+                f"{self._readers.describe(topic, kp) or 'none assigned to it'}")
 
     def _watermarks(self, partition: int) -> tuple[int, int]:
         topic, kp = self._where(partition)

@@ -121,6 +121,11 @@ class EventLog(abc.ABC):
     def start_offset(self, partition: int) -> int:
         """The oldest offset still held (records below it were truncated)."""
 
+    def describe_reads(self, partition: int) -> str:
+        """What the backend's readers of ``partition`` hold (positions, caches), for a
+        diagnostic when a read comes up short; empty if there is nothing to tell."""
+        return ""
+
     @abc.abstractmethod
     def truncate_before(self, partition: int, offset: int) -> None:
         """Delete the records of ``partition`` below ``offset``."""
