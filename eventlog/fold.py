@@ -241,39 +241,61 @@ def fold_shard(
     t0 = time.perf_counter()
     gt = gt_offset
     deadline: float | None = None
-    while True:
-        end = log.end_offset(state.shard) - 1
-        done = False
-        start_gt = gt
-        for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
-            if env.version > version:
-                done = True  # one writer per partition: versions never go back after this
+    try:
+        while True:
+            end = log.end_offset(state.shard) - 1
+            done = False
+            start_gt = gt
+            for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
+                if env.version > version:
+                    done = True  # one writer per partition: versions never go back after this
+                    break
+                where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
+                state.apply(env, sealed, nbytes, where, defer=defer_steps)
+                state.next_offset = offset + 1
+                gt = offset
+                if on_bytes is not None:
+                    on_bytes(nbytes)
+            if done or version <= since_version or not _short(state, idx, version):
                 break
-            where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
-            state.apply(env, sealed, nbytes, where, defer=defer_steps)
-            state.next_offset = offset + 1
-            gt = offset
-            if on_bytes is not None:
-                on_bytes(nbytes)
-        if done or version <= since_version or not _short(state, idx, version):
-            break
-        now = time.monotonic()
-        if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
-            deadline = now + settle_s
-        elif now > deadline:
-            # The seal check will fail; say what the fold saw, for the one who debugs it.
-            seal = idx.seals[version].seal
-            _log.warning(
-                "run %r shard %d: %d of the %d events of version %d the seal counts were read "
-                "after %.0f s without progress; the last offset read is %s, the end offset %d%s",
-                log.run_id, state.shard, state.applied_per_version.get(version, 0),
-                seal.shard_counts[state.shard], version, settle_s, gt, end + 1,
-                _reads_of(log, state.shard))
-            break
-        time.sleep(0.02)
+            now = time.monotonic()
+            if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
+                deadline = now + settle_s
+            elif now > deadline:
+                # The seal check will fail; say what the fold saw, for the one who debugs it.
+                seal = idx.seals[version].seal
+                _log.warning(
+                    "run %r shard %d: %d of the %d events of version %d the seal counts were read "
+                    "after %.0f s without progress; the last offset read is %s, the end offset %d%s",
+                    log.run_id, state.shard, state.applied_per_version.get(version, 0),
+                    seal.shard_counts[state.shard], version, settle_s, gt, end + 1,
+                    _reads_of(log, state.shard))
+                break
+            time.sleep(0.02)
+    except IntegrityError as exc:
+        # A step without its params, a chunk without its base...: if retention deleted
+        # records under this fold, that is the error to report.
+        _fail_if_truncated_under(log, state.shard, gt_offset, version, exc)
+        raise
+    if version > since_version and _short(state, idx, version):
+        _fail_if_truncated_under(log, state.shard, gt_offset, version)
     state.run_deferred()
     state.counts.seconds = time.perf_counter() - t0
     return state
+
+
+def _fail_if_truncated_under(log: EventLog, partition: int, gt_offset: int | None, version: int,
+                             cause: BaseException | None = None) -> None:
+    """A fold that came up short, on a partition now truncated past where it began: the
+    records it lacks were most likely deleted while it read (retention ran meanwhile). Say
+    that, instead of leaving the seal check to report "missing records"."""
+    start = log.start_offset(partition)
+    began = 0 if gt_offset is None else gt_offset + 1
+    if start > began:
+        raise TruncatedHistoryError(
+            f"run {log.run_id!r} shard {partition}: the log was truncated below offset {start} "
+            f"while version {version} was being rebuilt from offset {began}; replay again, from "
+            "a snapshot at or after the truncation point") from cause
 
 
 def _reads_of(log: EventLog, partition: int) -> str:

@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
-from eventlog import RunAddress, Target, serde
+from eventlog import RunAddress, Target, TruncatedHistoryError, serde
 from eventlog.apply import ShardState
 from eventlog.capture import GlobalRng, load_into
 from eventlog.events import Envelope, TensorDelta
-from eventlog.fold import ControlIndex, fold_shard, index_control, rebuild
+from eventlog.fold import ControlIndex, events, fold_shard, index_control, rebuild
 from eventlog.ports import CONTROL
 from replayer.replay import replay, state_dicts
 from snapshotter.catalog import newest_valid
@@ -168,6 +168,42 @@ def _fold_shard0(run: RunAddress, settle_s: float,
             state = ShardState(0)
             fold_shard(_StaleEnd(log, **stale), state, idx, version, settle_s=settle_s)  # type: ignore[arg-type]
             return state, idx, version, idx.seals[version].seal.shard_counts[0]
+    finally:
+        trainer.rec.close()
+
+
+class _TruncatedUnder:
+    """An event log whose shard 0 is truncated past the fold's start when the fold begins
+    reading it, as retention may do while a replay runs."""
+
+    def __init__(self, log: object, below: int) -> None:
+        self._log, self._below, self._done = log, below, False
+
+    def scan_decoded(self, partition: int, *args: Any, **kwargs: Any) -> object:
+        if partition == 0 and not self._done:
+            self._done = True
+            self._log.truncate_before(0, self._below)  # type: ignore[attr-defined]
+        return self._log.scan_decoded(partition, *args, **kwargs)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._log, name)
+
+
+def test_a_truncation_under_a_running_fold_is_named(run: RunAddress) -> None:
+    """Records deleted while a fold reads them: the error says the log was truncated, and
+    from where, not that records are missing."""
+    trainer = Trainer(run)
+    trainer.train(3)
+    try:
+        with run.open_log() as log:
+            idx = index_control(log)
+            version = idx.latest_version()
+            offsets = [o for o, _, _ in events(log, 0)]
+            cut = offsets[len(offsets) // 2]
+            with pytest.raises(TruncatedHistoryError, match=(
+                    f"shard 0: the log was truncated below offset {cut} while version {version} "
+                    "was being rebuilt from offset 0")):
+                fold_shard(_TruncatedUnder(log, cut), ShardState(0), idx, version, settle_s=0.5)  # type: ignore[arg-type]
     finally:
         trainer.rec.close()
 
