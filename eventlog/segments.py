@@ -62,6 +62,10 @@ class Appender:
     """Writes one transaction's out-of-line messages (used under SQLite's write lock, so
     appenders of several processes never interleave)."""
 
+    #: Files kept open at once; past it, the oldest is flushed and closed (a commit to
+    #: thousands of shards must not run out of file descriptors).
+    MAX_OPEN = 64
+
     def __init__(self, root: Path, roll_bytes: int) -> None:
         self._root, self._roll = root, roll_bytes
         self._fds: dict[str, int] = {}
@@ -112,7 +116,19 @@ class Appender:
             except OSError as exc:
                 raise EventLogError(f"segment file {path}: cannot open: {exc}") from exc
             self._fds[name] = fd
+            while len(self._fds) > self.MAX_OPEN:
+                self._retire(next(iter(self._fds)))
         return os.fstat(fd).st_size
+
+    def _retire(self, name: str) -> None:
+        """Flush one file's bytes now (as ``flush`` would at commit) and close it."""
+        fd = self._fds.pop(name)
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            raise EventLogError(f"segment file {self._root / name}: cannot flush: {exc}") from exc
+        finally:
+            os.close(fd)
 
     def flush(self) -> None:
         """Make every byte written so far durable, and the entries of the files it went to

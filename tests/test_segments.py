@@ -317,3 +317,39 @@ def test_a_truncation_racing_a_read_is_named_as_truncation(tmp_path: Path) -> No
         reader.read(0)
     reader.close()
     writer.close()
+
+
+def test_a_commit_to_more_files_than_it_keeps_open_keeps_every_byte(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``Appender.MAX_OPEN`` files, the oldest is flushed and closed mid-transaction."""
+    from eventlog import segments
+
+    monkeypatch.setattr(segments.Appender, "MAX_OPEN", 2)
+    db = tmp_path / "f.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(5)
+    w = log.writer("w")
+    for _ in range(2):  # the second transaction reopens files the first one closed
+        with w.transaction() as txn:
+            for p in range(5):
+                data, at = serde.encode.with_bulk(_envelope(_payload(p)))
+                txn.append(p, data, bulk_at=at)
+            assert len(_open_segment_files()) == 2
+    w.close()
+    assert len(_segment_files(db)) == 5 and _open_segment_files() == []
+    for p in range(5):
+        assert [bytes(d.value.body.payload) for d in log.scan_decoded(p, _decode, batch=1)] == [_payload(p)] * 2
+    log.close()
+
+
+def _open_segment_files() -> list[str]:
+    """The segment files this process has open (Linux)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.endswith(".seg"):
+            out.append(target)
+    return out
