@@ -104,14 +104,16 @@ def try_delete(store: SnapshotStore, run_id: str, snapshot_id: str) -> bool:
 
 
 def load_start(
-    store: SnapshotStore, log: EventLog, idx: ControlIndex, marker: Marker, *, workers: int = 2
+    store: SnapshotStore, log: EventLog, idx: ControlIndex, marker: Marker, *, workers: int = 2,
+    mapped: bool = False,
 ) -> FoldStart:
-    """Load and verify one snapshot as a fold start, or raise saying what is wrong."""
+    """Load and verify one snapshot as a fold start, or raise saying what is wrong
+    (``mapped``: for a fold with no tail to step through; see ``SnapshotStore.read_buffer``)."""
     if marker.end is None:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id} has no end marker (orphan)")
     with reading(store, log.run_id, marker.snapshot_id):
         manifest, shards, small = store.load(log.run_id, marker.snapshot_id,
-                                             marker.end.manifest_digest, workers=workers)
+                                             marker.end.manifest_digest, workers=workers, mapped=mapped)
     layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
     if manifest.version != marker.version:
         raise SnapshotCorruptError(
@@ -152,7 +154,9 @@ def newest_valid(
     complete = [m for m in markers(idx).values() if m.end is not None and m.version <= max_version]
     for marker in sorted(complete, key=lambda m: m.version, reverse=True):
         try:
-            return load_start(store, log, idx, marker, workers=workers), passed
+            # A snapshot of the target itself is only read: map it instead of copying it.
+            return load_start(store, log, idx, marker, workers=workers,
+                              mapped=marker.version == max_version), passed
         except RewindError as exc:
             passed.append((marker.snapshot_id, str(exc)))
     return None, passed

@@ -10,6 +10,7 @@ marker in the log holds the manifest's own digest, so any damage is detected bef
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 from collections.abc import Mapping
@@ -360,11 +361,19 @@ class SnapshotStore:
         return self.read_buffer(run_id, snapshot_id, entry, key_id).tobytes()
 
     def read_buffer(
-        self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None
+        self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None,
+        *, mapped: bool = False,
     ) -> np.ndarray:
         """One file's bytes as a writable uint8 array, verified against its manifest entry
         (and decrypted), like ``read_file``: read straight into one buffer (no copies), whose
-        safetensors data start is aligned for any dtype."""
+        safetensors data start is aligned for any dtype.
+
+        ``mapped``: a private map of the (plaintext) file instead. Its pages stay the page
+        cache's until written, so a state that is only read costs no copy and no fresh
+        pages (a replay to the snapshot's own version took 0.17 s instead of 0.51 s at 100M);
+        each page written later is copied then, one fault at a time, which made a replay
+        that steps through a 10-version tail 2x slower. Snapshot files are never rewritten
+        in place, so the map cannot shrink under the state."""
         path = self.directory(run_id, snapshot_id) / entry.name
         if "/" in entry.name or entry.name.startswith("."):
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: bad file name {entry.name!r}")
@@ -376,6 +385,9 @@ class SnapshotStore:
                         f"snapshot {snapshot_id}: {path} has {size} bytes, manifest says "
                         f"{entry.bytes} (truncated?)"
                     )
+                if mapped and key_id is None and size:
+                    buf = np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=np.uint8)
+                    return self._verified(buf, snapshot_id, path, entry)
                 head = os.pread(f.fileno(), 8, 0)
                 hlen = int.from_bytes(head, "little") if len(head) == 8 and key_id is None else 0
                 buf = _writable_buffer(size, 8 + hlen if hlen <= size else 0)
@@ -391,8 +403,7 @@ class SnapshotStore:
             raise SnapshotCorruptError(
                 f"snapshot {snapshot_id}: {path} has {got} bytes, manifest says {entry.bytes} (truncated?)"
             )
-        if digest_hex(buf) != entry.xxh3:
-            raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} fails its xxh3 checksum")
+        self._verified(buf, snapshot_id, path, entry)
         if key_id is None:
             return buf
         where = f"snapshot {snapshot_id} {entry.name}"
@@ -404,10 +415,18 @@ class SnapshotStore:
         out[:] = src
         return out
 
+    @staticmethod
+    def _verified(buf: np.ndarray, snapshot_id: str, path: Path, entry: FileEntry) -> np.ndarray:
+        if digest_hex(buf) != entry.xxh3:
+            raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} fails its xxh3 checksum")
+        return buf
+
     def load(
-        self, run_id: str, snapshot_id: str, expect_digest: bytes | None, *, workers: int = 2
+        self, run_id: str, snapshot_id: str, expect_digest: bytes | None, *, workers: int = 2,
+        mapped: bool = False,
     ) -> tuple[Manifest, list[ShardState], SmallStates]:
-        """Verify and load a snapshot into shard states and small states."""
+        """Verify and load a snapshot into shard states and small states (``mapped``: shard
+        files mapped privately, for a state that will mostly be read; see ``read_buffer``)."""
         m = self.read_manifest(run_id, snapshot_id, expect_digest)
         entries = {e.name: e for e in m.files}
 
@@ -415,7 +434,7 @@ class SnapshotStore:
             name = f"shard-{shard}.safetensors"
             if name not in entries:
                 raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks {name}")
-            data = self.read_buffer(run_id, snapshot_id, entries[name], m.key_id)
+            data = self.read_buffer(run_id, snapshot_id, entries[name], m.key_id, mapped=mapped)
             gsn = m.applied_gsns[shard + 1]
             tensors = load_shard_file(data, shard, f"snapshot {snapshot_id} {name}")
             return ShardState(shard, tensors, applied_gsn=gsn, snapshot_gsn=gsn, version=m.version)

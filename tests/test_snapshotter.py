@@ -4,6 +4,7 @@ truncation and the lease. Runs on every backend of the contract matrix."""
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
 import random
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -250,4 +252,37 @@ def test_only_the_lease_holder_publishes(run: RunAddress) -> None:
     assert len(published) == 1 and published[0].end.fencing_token == first._token  # type: ignore[union-attr]
     first.release()
     second.release()
+    trainer.rec.close()
+
+
+def test_a_replay_to_a_snapshots_own_version_maps_it_and_never_writes_it(run: RunAddress) -> None:
+    """With no tail to step through, the snapshot's files are mapped privately, not copied:
+    the state is the snapshot's bits, a write into it stays in this process, and a damaged
+    file is still refused by its checksum (then the older snapshot serves, plus a tail)."""
+    import hashlib
+
+    trainer = Trainer(run)
+    with _snapshotter(run) as snap:
+        trainer.train(3)
+        first = snap.snapshot(force=True)
+        trainer.train(2)
+        newest = snap.snapshot(force=True)
+    assert first is not None and newest is not None
+    files = sorted(Path(run.snapshots_url[len("file://"):]).rglob(f"{newest.snapshot_id}/shard-*"))
+    digests = [hashlib.sha256(f.read_bytes()).hexdigest() for f in files]
+    state, report = replay(run, Target("version", newest.version))
+    assert report.tail_versions == 0 and newest.snapshot_id in (report.snapshot or "")
+    assert _bit_equal(state_dicts(state)["model"], trainer.states[trainer.step - 1])
+    bits = next(t.bits for s in state.shards for t in s.tensors.values() if t.bits.size)
+    owner = bits
+    while isinstance(owner, np.ndarray | memoryview):
+        owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
+    assert isinstance(owner, mmap.mmap)  # a map of the file, not a copy
+    bits[:] = 0xFF  # the state is writable, privately
+    assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in files] == digests
+    _flip(files[0])
+    state, report = replay(run, Target("version", newest.version))
+    assert dict(report.passed_over)[newest.snapshot_id].endswith("fails its xxh3 checksum")
+    assert first.snapshot_id in (report.snapshot or "") and report.tail_versions == 2
+    assert _bit_equal(state_dicts(state)["model"], trainer.states[trainer.step - 1])
     trainer.rec.close()
