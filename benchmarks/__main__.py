@@ -144,7 +144,7 @@ def table(results: dict[str, Any]) -> Table:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")
         if r.get("snapshot_only_2_workers") is not None:
-            t.add_row("", "snapshot alone (no tail), 2 workers", _f(r["snapshot_only_2_workers"], "s"),
+            t.add_row("", "snapshot alone (no tail, read), 2 workers", _f(r["snapshot_only_2_workers"], "s"),
                       _f(r["torch_load"], "s"), _f(r["ratio_snapshot_only_vs_torch_load"], "x", 2),
                       "", "")
             t.add_row("", "each tail version, 2 workers", _f(r["per_tail_version_2_workers"], "s"),

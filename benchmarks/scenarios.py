@@ -241,11 +241,13 @@ def bytes_ratio_of(r: Recording) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- recovery
-def _timed(args: list[str]) -> dict[str, Any]:
-    """Run ``benchmarks._timed`` in a fresh process; returns its JSON line."""
+def _timed(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``benchmarks._timed`` in a fresh process (``env``: added to this one's);
+    returns its JSON line."""
     out = subprocess.run([sys.executable, "-m", "benchmarks._timed", *args], check=False,
                          capture_output=True, text=True, timeout=1800,
-                         cwd=str(Path(__file__).resolve().parent.parent))
+                         cwd=str(Path(__file__).resolve().parent.parent),
+                         env={**os.environ, **env} if env else None)
     if out.returncode:
         raise RuntimeError(f"benchmarks._timed {args[0]} failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -274,13 +276,15 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
             cfg.log(f"  replay, {workers} worker(s): {got['seconds']:.2f} s "
                     f"(snapshot v{got['snapshot_version']}, tail {got['tail_versions']})")
     # The snapshot alone (replay to the snapshot's own version: no tail): what one tail
-    # version costs, and how long a tail still meets the target, follow from it.
+    # version costs, and how long a tail still meets the target, follow from it. Read as a
+    # replay with a tail reads it (such a replay would otherwise map the files instead).
     snap_only: list[float] = []
     if report.snapshot_version:
         for _ in range(repeats):
-            got = _timed(["replay", *base, "2", f"version={report.snapshot_version}"])
+            got = _timed(["replay", *base, "2", f"version={report.snapshot_version}"],
+                         env={"REWIND_SNAPSHOT_MAP": "0"})
             snap_only.append(got["seconds"])
-        cfg.log(f"  replay to the snapshot's version (tail 0), 2 workers: {med(snap_only):.2f} s")
+        cfg.log(f"  replay to the snapshot's version (tail 0, files read), 2 workers: {med(snap_only):.2f} s")
     loads = []
     if r.last_checkpoint:
         for _ in range(max(5, cfg.repeats)):

@@ -53,6 +53,9 @@ REPLAY_TORCH_THREADS = _int("REPLAY_TORCH_THREADS", 1)
 EMBEDDED_SEGMENT_MIN_BYTES = _int("EMBEDDED_SEGMENT_MIN_BYTES", 0)
 #: Size at which the embedded log starts a new segment file for a partition.
 EMBEDDED_SEGMENT_BYTES = _int("EMBEDDED_SEGMENT_BYTES", 1024**3)
+#: Whether a replay to a snapshot's own version maps the snapshot's files (1) instead of
+#: reading them into fresh memory (0), as a replay with a tail always does.
+SNAPSHOT_MAP = _int("SNAPSHOT_MAP", 1)
 #: Whether folds batch consecutive optimizer steps and run them tile by tile (1), or run
 #: each step over the whole shard and check its predicted digests at once (0).
 REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from eventlog import RewindError, serde
+from eventlog import RewindError, knobs, serde
 from eventlog.apply import ShardState
 from eventlog.digests import small_digest
 from eventlog.events import RunStarted, SnapshotBegin, SnapshotEnd
@@ -156,7 +156,7 @@ def newest_valid(
         try:
             # A snapshot of the target itself is only read: map it instead of copying it.
             return load_start(store, log, idx, marker, workers=workers,
-                              mapped=marker.version == max_version), passed
+                              mapped=bool(knobs.SNAPSHOT_MAP) and marker.version == max_version), passed
         except RewindError as exc:
             passed.append((marker.snapshot_id, str(exc)))
     return None, passed

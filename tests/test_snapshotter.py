@@ -279,6 +279,15 @@ def test_a_replay_to_a_snapshots_own_version_maps_it_and_never_writes_it(run: Ru
         owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
     assert isinstance(owner, mmap.mmap)  # a map of the file, not a copy
     bits[:] = 0xFF  # the state is writable, privately
+    with pytest.MonkeyPatch.context() as mp:  # REWIND_SNAPSHOT_MAP=0: read, as under a tail
+        mp.setattr(knobs, "SNAPSHOT_MAP", 0)
+        read_state, _ = replay(run, Target("version", newest.version))
+        read_bits = next(t.bits for s in read_state.shards for t in s.tensors.values() if t.bits.size)
+        read_owner = read_bits
+        while isinstance(read_owner, np.ndarray | memoryview):
+            read_owner = read_owner.base if isinstance(read_owner, np.ndarray) else read_owner.obj
+        assert not isinstance(read_owner, mmap.mmap)
+        assert _bit_equal(state_dicts(read_state)["model"], trainer.states[trainer.step - 1])
     assert [hashlib.sha256(f.read_bytes()).hexdigest() for f in files] == digests
     _flip(files[0])
     state, report = replay(run, Target("version", newest.version))
