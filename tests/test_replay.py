@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ from eventlog.apply import ShardState
 from eventlog.capture import GlobalRng, load_into
 from eventlog.events import Envelope, TensorDelta
 from eventlog.fold import ControlIndex, events, fold_shard, index_control, rebuild
-from eventlog.ports import CONTROL
+from eventlog.ports import CONTROL, EventLog
 from replayer.replay import replay, state_dicts
 from snapshotter.catalog import newest_valid
 from snapshotter.policies import every_versions
@@ -155,21 +157,27 @@ class _StaleEnd:
         return getattr(self._log, name)
 
 
-def _fold_shard0(run: RunAddress, settle_s: float,
-                 **stale: Any) -> tuple[ShardState, ControlIndex, int, int]:
-    """Train 3 versions, then fold shard 0 to the newest through a ``_StaleEnd`` log:
-    the state, the control index, the version and the events its seal counts on shard 0."""
+@contextlib.contextmanager
+def _trained(run: RunAddress) -> Iterator[tuple[EventLog, ControlIndex, int]]:
+    """Train 3 versions; the open log, its control index and the newest version."""
     trainer = Trainer(run)
     trainer.train(3)
     try:
         with run.open_log() as log:
             idx = index_control(log)
-            version = idx.latest_version()
-            state = ShardState(0)
-            fold_shard(_StaleEnd(log, **stale), state, idx, version, settle_s=settle_s)  # type: ignore[arg-type]
-            return state, idx, version, idx.seals[version].seal.shard_counts[0]
+            yield log, idx, idx.latest_version()
     finally:
         trainer.rec.close()
+
+
+def _fold_shard0(run: RunAddress, settle_s: float,
+                 **stale: Any) -> tuple[ShardState, ControlIndex, int, int]:
+    """Train 3 versions, then fold shard 0 to the newest through a ``_StaleEnd`` log:
+    the state, the control index, the version and the events its seal counts on shard 0."""
+    with _trained(run) as (log, idx, version):
+        state = ShardState(0)
+        fold_shard(_StaleEnd(log, **stale), state, idx, version, settle_s=settle_s)  # type: ignore[arg-type]
+        return state, idx, version, idx.seals[version].seal.shard_counts[0]
 
 
 class _TruncatedUnder:
@@ -192,20 +200,13 @@ class _TruncatedUnder:
 def test_a_truncation_under_a_running_fold_is_named(run: RunAddress) -> None:
     """Records deleted while a fold reads them: the error says the log was truncated, and
     from where, not that records are missing."""
-    trainer = Trainer(run)
-    trainer.train(3)
-    try:
-        with run.open_log() as log:
-            idx = index_control(log)
-            version = idx.latest_version()
-            offsets = [o for o, _, _ in events(log, 0)]
-            cut = offsets[len(offsets) // 2]
-            with pytest.raises(TruncatedHistoryError, match=(
-                    f"shard 0: the log was truncated below offset {cut} while version {version} "
-                    "was being rebuilt from offset 0")):
-                fold_shard(_TruncatedUnder(log, cut), ShardState(0), idx, version, settle_s=0.5)  # type: ignore[arg-type]
-    finally:
-        trainer.rec.close()
+    with _trained(run) as (log, idx, version):
+        offsets = [o for o, _, _ in events(log, 0)]
+        cut = offsets[len(offsets) // 2]
+        with pytest.raises(TruncatedHistoryError, match=(
+                f"shard 0: the log was truncated below offset {cut} while version {version} "
+                "was being rebuilt from offset 0")):
+            fold_shard(_TruncatedUnder(log, cut), ShardState(0), idx, version, settle_s=0.5)  # type: ignore[arg-type]
 
 
 def test_a_first_pass_longer_than_the_settle_time_still_waits_for_late_records(
