@@ -634,12 +634,16 @@ def inline_segments(path: Path, segments_of: Path | None = None) -> int:
     try:
         with db.txn() as c:
             rows = c.execute("SELECT run, partition, offset, file, pos, length FROM extents").fetchall()
+            readers: dict[str, segments.Reader] = {}  # one per run: each file is mapped once
             for run, partition, offset, name, pos, length in rows:
                 where = f"run {run!r} partition {partition} offset {offset}"
-                value = bytes(segments.Reader(segments.directory(source, run)).view(name, pos, length, where))
+                reader = readers.setdefault(run, segments.Reader(segments.directory(source, run)))
+                value = bytes(reader.view(name, pos, length, where))
                 c.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
                           (value, run, partition, offset))
             c.execute("DELETE FROM extents")
+            for reader in readers.values():
+                reader.close()
     except sqlite3.Error as exc:
         raise db.wrap(exc) from exc
     finally:
