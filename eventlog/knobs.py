@@ -59,7 +59,8 @@ SNAPSHOT_MAP = _int("SNAPSHOT_MAP", 1)
 #: Whether folds batch consecutive optimizer steps and run them tile by tile (1), or run
 #: each step over the whole shard and check its predicted digests at once (0).
 REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)
-#: Compressed gradient bytes a shard's fold may hold for batched steps before running them.
+#: Compressed gradient bytes a shard's fold may hold in memory for batched steps before
+#: running them (views of mapped segment files do not count).
 REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 256 * 1024**2)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).
