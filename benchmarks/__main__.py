@@ -143,6 +143,9 @@ def table(results: dict[str, Any]) -> Table:
         if r.get("bus_speedup_2_vs_1") is not None:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")
+        if r.get("adam_tiles_speedup_2_vs_1") is not None:
+            t.add_row("", "tiled fused Adam alone, 2 threads vs 1", _f(r["adam_tiles_speedup_2_vs_1"], "x", 2),
+                      "", "", "", "")
         if r.get("snapshot_only_2_workers") is not None:
             t.add_row("", "snapshot alone (no tail, read), 2 workers", _f(r["snapshot_only_2_workers"], "s"),
                       _f(r["torch_load"], "s"), _f(r["ratio_snapshot_only_vs_torch_load"], "x", 2),

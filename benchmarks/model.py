@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.optim.adam import adam as functional_adam
 
 from eventlog.capture import flatten
 
@@ -161,6 +162,52 @@ class BusScaling:
         for t in threads:
             t.join()
         return (t1 - t0) / (time.perf_counter() - t1)
+
+
+class AdamScaling:
+    """How much a second core adds to the replay's arithmetic on this machine: torch's fused
+    Adam run tile by tile, as a batched replay runs it (``steps`` steps on each 4 MiB tile
+    before the next), by two threads on their own tensors against one thread doing both.
+    No Rewind code runs here, so this ratio caps what a second replay worker can gain on
+    its optimizer steps."""
+
+    def __init__(self, numel: int = 16 * 1024 * 1024, steps: int = 10, tile: int = 1024 * 1024) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self._steps, self._tile = steps, tile
+        self._sets = [
+            ([torch.randn(numel, generator=gen)], [torch.randn(numel, generator=gen) * 1e-3],
+             [torch.zeros(numel)], [torch.zeros(numel)])
+            for _ in range(2)
+        ]
+
+    def _run(self, i: int) -> None:
+        (p,), (g,), (m,), (v,) = self._sets[i]
+        for start in range(0, p.numel(), self._tile):
+            tile = slice(start, start + self._tile)
+            step = [torch.tensor(0.0)]
+            for _ in range(self._steps):
+                functional_adam([p[tile]], [g[tile]], [m[tile]], [v[tile]], [], step,
+                                fused=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-4,
+                                weight_decay=0.0, eps=1e-8, maximize=False)
+
+    def __call__(self) -> float:
+        """The speedup of 2 threads over 1 for one round of steps (torch at one thread per
+        worker, as a replay sets it)."""
+        before = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            self._run(0)
+            self._run(1)
+            t1 = time.perf_counter()
+            threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            return (t1 - t0) / (time.perf_counter() - t1)
+        finally:
+            torch.set_num_threads(before)
 
 
 class MemcpyFloor:

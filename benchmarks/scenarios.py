@@ -37,7 +37,7 @@ from eventlog import Recorder, RunAddress, Target
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 
-from .model import BusScaling, MemcpyFloor, Workload, save_checkpoint
+from .model import AdamScaling, BusScaling, MemcpyFloor, Workload, save_checkpoint
 
 MB = 1e6  # every MB/s figure is 10^6 bytes per second
 
@@ -294,6 +294,10 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     bus_speedups = [bus() for _ in range(repeats)]
     del bus
     cfg.log(f"  memory copy, 2 threads vs 1: {med(bus_speedups):.2f}x")
+    adam = AdamScaling(steps=report.tail_versions or 10)
+    adam_speedups = [adam() for _ in range(repeats)]
+    del adam
+    cfg.log(f"  tiled fused Adam alone, 2 threads vs 1: {med(adam_speedups):.2f}x")
     w1, w2, load = med(times[1]), med(times[2]), med(loads)
     s0 = med(snap_only)
     tail = report.tail_versions
@@ -323,11 +327,15 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         # The memory bus's own 2-thread speedup, measured in the same run: the ceiling of
         # the replay's memory-bound part (reading records, hashing, streaming the state).
         "bus_speedup_2_vs_1": med(bus_speedups),
+        # torch's fused Adam run tile by tile as the replay runs it, no Rewind code: the
+        # ceiling of the replay's arithmetic on this machine.
+        "adam_tiles_speedup_2_vs_1": med(adam_speedups),
         "fresh_process": True,
         "bit_exact": True,
         "repeats": repeats,
         "samples": {"workers_1": times[1], "workers_2": times[2], "torch_load": loads,
-                    "snapshot_only_2_workers": snap_only, "bus_speedup_2_vs_1": bus_speedups},
+                    "snapshot_only_2_workers": snap_only, "bus_speedup_2_vs_1": bus_speedups,
+                    "adam_tiles_speedup_2_vs_1": adam_speedups},
     }
 
 
