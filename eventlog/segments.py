@@ -230,9 +230,16 @@ class Reader:
                     self._drop(name)
 
     def close(self) -> None:
+        """Let go of every map. Unmapping is left to a background thread: a map whose pages
+        a replay touched takes the kernel a while to tear down (0.15 s for the 4 GB a 100M
+        replay with a 10-version tail reads), and the caller's result is ready before that.
+        The files are closed here; a view handed out still keeps its map alive."""
         with self._lock:
-            for name in list(self._maps):
-                self._drop(name)
+            maps, self._maps = self._maps, OrderedDict()
+        for _, fd in maps.values():
+            os.close(fd)
+        if maps:
+            threading.Thread(target=maps.clear, name="rewind-segment-unmap", daemon=True).start()
 
 
 def remove_below(root: Path, partition: int, start: int, referenced: set[str]) -> list[str]:

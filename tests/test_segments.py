@@ -354,3 +354,30 @@ def _open_segment_files(under: Path) -> list[str]:
         if target.endswith(".seg") and target.startswith(str(under)):
             out.append(target)
     return out
+
+
+def test_close_lets_go_of_every_map_and_a_held_view_outlives_it(tmp_path: Path) -> None:
+    """``close`` hands the unmapping to a thread (tearing down maps of gigabytes of touched
+    pages takes the kernel a while). The maps must still go once it is done, but not under
+    a view handed out before ``close``, which still reads its bytes."""
+    import threading
+
+    db = tmp_path / "c.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0), _payload(1)])
+    held = next(iter(log.scan_decoded(0, _decode, batch=1))).value.body.payload
+    assert isinstance(held, memoryview)
+
+    def mapped() -> list[str]:
+        return [line for line in Path("/proc/self/maps").read_text().splitlines() if f"{db}.segments" in line]
+
+    assert mapped()
+    log.close()
+    for t in threading.enumerate():
+        if t.name == "rewind-segment-unmap":
+            t.join(timeout=30)
+    assert bytes(held) == _payload(0)  # its map outlives the close
+    assert mapped()
+    del held
+    assert mapped() == []
