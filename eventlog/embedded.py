@@ -81,6 +81,13 @@ def path_from_url(url: str) -> Path:
     return Path(url[len("sqlite://") :])
 
 
+#: The layout of an embedded database, kept in SQLite's ``user_version``: 1 = tensor chunks
+#: may live in segment files (``extents``). Files from before the marker read 0 and are
+#: marked on open (this version reads both layouts). A file marked newer is refused: a
+#: newer layout may keep messages where this version would read empty values.
+FORMAT = 1
+
+
 class _Database:
     """One SQLite file with a connection per thread (sqlite3 connections are not shareable)."""
 
@@ -89,7 +96,17 @@ class _Database:
         self._error = error
         self._local = threading.local()
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn().executescript(_SCHEMA)
+        c = self.conn()
+        try:
+            found = int(c.execute("PRAGMA user_version").fetchone()[0])
+            if found > FORMAT:
+                raise error(f"{path} holds an embedded log of format {found}, written by a newer "
+                            f"Rewind; this version reads formats up to {FORMAT}: upgrade it")
+            c.executescript(_SCHEMA)
+            if found < FORMAT:
+                c.execute(f"PRAGMA user_version={FORMAT}")
+        except sqlite3.Error as exc:
+            raise self.wrap(exc) from exc
 
     def connect(self, shared: bool = False) -> sqlite3.Connection:
         """A new connection; ``shared`` ones may move between threads (one at a time)."""

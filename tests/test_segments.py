@@ -381,3 +381,33 @@ def test_close_lets_go_of_every_map_and_a_held_view_outlives_it(tmp_path: Path) 
     assert mapped()
     del held
     assert mapped() == []
+
+
+def test_the_database_names_its_format_and_a_newer_one_is_refused(tmp_path: Path) -> None:
+    """A database is marked with its layout (``PRAGMA user_version``); one from before the
+    marker is marked on open; one marked newer than this version reads is refused, naming
+    the file and both formats, and left as it was."""
+    from eventlog import embedded
+    from eventlog.errors import EventLogError
+
+    db = tmp_path / "f.db"
+    EmbeddedLog(f"sqlite://{db}", "r").close()
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == embedded.FORMAT
+        c.execute("PRAGMA user_version=0")  # as a file from before the marker
+    c.close()
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0)])
+    log.close()
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == embedded.FORMAT
+        c.execute(f"PRAGMA user_version={embedded.FORMAT + 1}")
+    c.close()
+    with pytest.raises(EventLogError, match=rf"{db} holds an embedded log of format {embedded.FORMAT + 1}, "
+                       rf"written by a newer Rewind; this version reads formats up to {embedded.FORMAT}"):
+        EmbeddedLog(f"sqlite://{db}", "r")
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == embedded.FORMAT + 1
+        assert c.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 2
+    c.close()
