@@ -144,7 +144,8 @@ class ShardState:
         if not self.deferred.fits():
             self.run_deferred()
         self.deferred.add_step(step, version, where, self.tensors)
-        if self.deferred.nbytes >= knobs.REPLAY_DEFER_BYTES:
+        if (self.deferred.nbytes >= knobs.REPLAY_DEFER_BYTES
+                or self.deferred.mapped >= knobs.REPLAY_DEFER_MAPPED_BYTES):
             self.run_deferred()
 
     def _apply_step(self, step: OptimizerStep, version: int, where: str) -> None:

@@ -62,6 +62,10 @@ REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)
 #: Compressed gradient bytes a shard's fold may hold in memory for batched steps before
 #: running them (views of mapped segment files do not count).
 REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 256 * 1024**2)
+#: Bytes of mapped segment-file views a shard's fold may hold for batched steps. They hold no
+#: memory, but each file they lie in stays mapped and open until the batch runs: 16 GiB is
+#: about 17 files of 1 GiB per shard, far from any limit on open files.
+REPLAY_DEFER_MAPPED_BYTES = _int("REPLAY_DEFER_MAPPED_BYTES", 16 * 1024**3)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).
 REPLAY_TILE_BYTES = _int("REPLAY_TILE_BYTES", 4 * 1024 * 1024)

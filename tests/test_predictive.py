@@ -354,6 +354,12 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
         live.assert_every_version_replays_exactly(address)
         assert set(map(tuple, batches)) == {predictive[:i] for i in range(1, len(predictive) + 1)}, batches
         batches.clear()
+        # They still keep their files mapped, and a budget of mapped bytes splits it.
+        monkeypatch.setattr(knobs, "REPLAY_DEFER_MAPPED_BYTES", grad_bytes)
+        live.assert_every_version_replays_exactly(address)
+        assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
+        batches.clear()
+        monkeypatch.setattr(knobs, "REPLAY_DEFER_MAPPED_BYTES", 16 * 1024**3)
         inline_segments(path_from_url(address.log_url))
     live.assert_every_version_replays_exactly(address)
     assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
