@@ -166,14 +166,14 @@ class BusScaling:
 
 class AdamScaling:
     """How much a second core adds to the replay's arithmetic on this machine: torch's fused
-    Adam run tile by tile, as a batched replay runs it (``steps`` steps on each 4 MiB tile
-    before the next), by two threads on their own tensors against one thread doing both.
-    No Rewind code runs here, so this ratio caps what a second replay worker can gain on
-    its optimizer steps."""
+    Adam (the benchmark trainer's optimizer, so the kernel its replays run) tile by tile, as
+    a batched replay runs it (``steps`` steps on each 4 MiB tile before the next), by two
+    threads on their own tensors against one thread doing both. No Rewind code runs here,
+    so this ratio caps what a second replay worker can gain on its optimizer steps."""
 
     def __init__(self, numel: int = 16 * 1024 * 1024, steps: int = 10, tile: int = 1024 * 1024) -> None:
         gen = torch.Generator().manual_seed(0)
-        self._steps, self._tile = steps, tile
+        self._steps, self._tile, self._rounds = steps, tile, 0
         self._sets = [
             ([torch.randn(numel, generator=gen)], [torch.randn(numel, generator=gen) * 1e-3],
              [torch.zeros(numel)], [torch.zeros(numel)])
@@ -195,19 +195,31 @@ class AdamScaling:
         worker, as a replay sets it)."""
         before = torch.get_num_threads()
         torch.set_num_threads(1)
+        self._rounds += 1
         try:
-            t0 = time.perf_counter()
-            self._run(0)
-            self._run(1)
-            t1 = time.perf_counter()
-            threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            return (t1 - t0) / (time.perf_counter() - t1)
+            # Which side runs first alternates, so neither always meets a warmer cache.
+            if self._rounds % 2:
+                one, two = self._one_thread(), self._two_threads()
+            else:
+                two, one = self._two_threads(), self._one_thread()
+            return one / two
         finally:
             torch.set_num_threads(before)
+
+    def _one_thread(self) -> float:
+        t0 = time.perf_counter()
+        self._run(0)
+        self._run(1)
+        return time.perf_counter() - t0
+
+    def _two_threads(self) -> float:
+        t0 = time.perf_counter()
+        threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return time.perf_counter() - t0
 
 
 class MemcpyFloor:

@@ -83,8 +83,10 @@ def path_from_url(url: str) -> Path:
 
 #: The layout of an embedded database, kept in SQLite's ``user_version``: 1 = tensor chunks
 #: may live in segment files (``extents``). Files from before the marker read 0 and are
-#: marked on open (this version reads both layouts). A file marked newer is refused: a
-#: newer layout may keep messages where this version would read empty values.
+#: marked on open (this version reads both layouts; a read-only file is read unmarked). A
+#: file marked newer is refused when it is opened: a newer layout may keep messages where
+#: this version would read empty values. (A process that has it open already is not told
+#: of a later upgrade.)
 FORMAT = 1
 
 
@@ -98,15 +100,39 @@ class _Database:
         path.parent.mkdir(parents=True, exist_ok=True)
         c = self.conn()
         try:
-            found = int(c.execute("PRAGMA user_version").fetchone()[0])
-            if found > FORMAT:
-                raise error(f"{path} holds an embedded log of format {found}, written by a newer "
-                            f"Rewind; this version reads formats up to {FORMAT}: upgrade it")
+            self._check_format(c)
             c.executescript(_SCHEMA)
-            if found < FORMAT:
-                c.execute(f"PRAGMA user_version={FORMAT}")
-        except sqlite3.Error as exc:
-            raise self.wrap(exc) from exc
+            self._mark_format(c)
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_format(self, c: sqlite3.Connection) -> int:
+        """The file's format, refused if newer than ``FORMAT``."""
+        found = int(c.execute("PRAGMA user_version").fetchone()[0])
+        if found > FORMAT:
+            raise self._error(f"{self.path} holds an embedded log of format {found}, written by a newer "
+                              f"Rewind; this version reads formats up to {FORMAT}: upgrade it")
+        return found
+
+    def _mark_format(self, c: sqlite3.Connection) -> None:
+        """Mark an unmarked file, checking again inside the write lock, so that a newer
+        version's mark made since the first check is refused, not overwritten."""
+        if self._check_format(c) == FORMAT:
+            return
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                if self._check_format(c) < FORMAT:
+                    c.execute(f"PRAGMA user_version={FORMAT}")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if "readonly" not in str(exc):
+                raise
+            # A read-only file stays unmarked, and is read as it is.
 
     def connect(self, shared: bool = False) -> sqlite3.Connection:
         """A new connection; ``shared`` ones may move between threads (one at a time)."""

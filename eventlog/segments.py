@@ -233,7 +233,8 @@ class Reader:
         """Let go of every map. Unmapping is left to a background thread: a map whose pages
         a replay touched takes the kernel a while to tear down (0.15 s for the 4 GB a 100M
         replay with a 10-version tail reads), and the caller's result is ready before that.
-        The files are closed here; a view handed out still keeps its map alive."""
+        The reader's own descriptors are closed here; each map holds a descriptor of its own
+        until it is unmapped, and a view handed out keeps its map (and that descriptor)."""
         with self._lock:
             maps, self._maps = self._maps, OrderedDict()
         for _, fd in maps.values():

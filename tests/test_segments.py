@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -356,31 +357,42 @@ def _open_segment_files(under: Path) -> list[str]:
     return out
 
 
-def test_close_lets_go_of_every_map_and_a_held_view_outlives_it(tmp_path: Path) -> None:
+def test_close_lets_go_of_every_map_and_a_held_view_outlives_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """``close`` hands the unmapping to a thread (tearing down maps of gigabytes of touched
-    pages takes the kernel a while). The maps must still go once it is done, but not under
-    a view handed out before ``close``, which still reads its bytes."""
+    pages takes the kernel a while). Once it is done, a file no view holds is neither
+    mapped nor open; a file whose view was handed out before ``close`` stays mapped, and
+    the view still reads its bytes."""
     import threading
 
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", 50_000)  # one 40 KB message per file
     db = tmp_path / "c.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)
     _append(log, [_payload(0), _payload(1)])
-    held = next(iter(log.scan_decoded(0, _decode, batch=1))).value.body.payload
+    first, second = sorted(str(p) for p in Path(f"{db}.segments").rglob("*.seg"))
+    got = list(log.scan_decoded(0, _decode, batch=1))
+    held = got[0].value.body.payload
+    del got
     assert isinstance(held, memoryview)
 
-    def mapped() -> list[str]:
-        return [line for line in Path("/proc/self/maps").read_text().splitlines() if f"{db}.segments" in line]
+    def mapped(path: str) -> bool:
+        return any(line.endswith(path) for line in Path("/proc/self/maps").read_text().splitlines())
 
-    assert mapped()
+    def open_(path: str) -> bool:
+        fds = Path("/proc/self/fd")
+        return any(os.path.realpath(fds / fd) == path for fd in os.listdir(fds))
+
+    assert mapped(first) and mapped(second) and open_(second)
     log.close()
     for t in threading.enumerate():
         if t.name == "rewind-segment-unmap":
             t.join(timeout=30)
-    assert bytes(held) == _payload(0)  # its map outlives the close
-    assert mapped()
+    assert not mapped(second) and not open_(second)
+    assert mapped(first) and bytes(held) == _payload(0)  # its map outlives the close
     del held
-    assert mapped() == []
+    assert not mapped(first) and not open_(first)
 
 
 def test_the_database_names_its_format_and_a_newer_one_is_refused(tmp_path: Path) -> None:
@@ -410,4 +422,36 @@ def test_the_database_names_its_format_and_a_newer_one_is_refused(tmp_path: Path
     with sqlite3.connect(db) as c:
         assert c.execute("PRAGMA user_version").fetchone()[0] == embedded.FORMAT + 1
         assert c.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 2
+    c.close()
+
+
+def test_a_read_only_database_from_before_the_marker_still_opens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A file that cannot be written (a read-only mount, an archived copy) is not marked,
+    and is read as it is: its records come back, and its format stays 0."""
+    from eventlog import embedded
+
+    db = tmp_path / "ro.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0)])
+    log.close()
+    with sqlite3.connect(db) as c:
+        c.execute("PRAGMA user_version=0")
+    c.close()
+    connect = embedded._Database.connect
+
+    def read_only(self: Any, shared: bool = False) -> sqlite3.Connection:
+        conn = connect(self, shared)
+        conn.execute("PRAGMA query_only=ON")  # every write fails as on a read-only file
+        return conn
+
+    monkeypatch.setattr(embedded._Database, "connect", read_only)
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == [_payload(0)]
+    log.close()
+    monkeypatch.undo()
+    with sqlite3.connect(db) as c:
+        assert c.execute("PRAGMA user_version").fetchone()[0] == 0
     c.close()
