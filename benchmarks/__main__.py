@@ -154,7 +154,7 @@ def table(results: dict[str, Any]) -> Table:
                       "", "", "", f"tail within target: {r['max_tail_versions_within_target']}")
         if r.get("floor_ratio_vs_torch_load") is not None:
             floor = r["torch_load"] + r["tail_versions"] * r["optimizer_step_s"]
-            t.add_row("", f"floor: torch.load + {r['tail_versions']} x optimizer.step() "
+            t.add_row("", f"estimate: torch.load + {r['tail_versions']} x optimizer.step() "
                       f"({_f(r['optimizer_step_s'], 's')})", _f(floor, "s"), _f(r["torch_load"], "s"),
                       _f(r["floor_ratio_vs_torch_load"], "x", 2), "", "")
     if not skipped("kafka_produce_mb_s"):

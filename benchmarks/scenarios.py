@@ -320,8 +320,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "per_tail_version_2_workers": per_version,
         # Longest tail that still meets "<= 1.5 x torch.load" (-1: not even the snapshot).
         "max_tail_versions_within_target": budget,
-        # The physical floor: reading the snapshot costs at least what torch.load of the same
-        # bytes does, and each tail version at least the optimizer step the trainer ran.
+        # An estimate, not a floor (the key keeps its old name): torch.load of the same bytes
+        # plus the optimizer step the trainer ran, per tail version. A replay's snapshot load
+        # is faster than torch.load (2 workers), and its steps run tile by tile.
         "optimizer_step_s": step_s,
         "floor_ratio_vs_torch_load": _ratio(load + tail * step_s, load) if load and step_s else None,
         # The memory bus's own 2-thread speedup, measured in the same run: the ceiling of
