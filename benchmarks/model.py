@@ -13,6 +13,7 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -152,16 +153,7 @@ class BusScaling:
 
     def __call__(self) -> float:
         """The speedup of 2 threads over 1 for one round of copies."""
-        t0 = time.perf_counter()
-        self._copy(0)
-        self._copy(1)
-        t1 = time.perf_counter()
-        threads = [threading.Thread(target=self._copy, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return (t1 - t0) / (time.perf_counter() - t1)
+        return _speedup(self._copy)
 
 
 class AdamScaling:
@@ -198,28 +190,35 @@ class AdamScaling:
         self._rounds += 1
         try:
             # Which side runs first alternates, so neither always meets a warmer cache.
-            if self._rounds % 2:
-                one, two = self._one_thread(), self._two_threads()
-            else:
-                two, one = self._two_threads(), self._one_thread()
-            return one / two
+            return _speedup(self._run, two_first=self._rounds % 2 == 0)
         finally:
             torch.set_num_threads(before)
 
-    def _one_thread(self) -> float:
+
+def _speedup(work: Callable[[int], None], two_first: bool = False) -> float:
+    """How much faster ``work(0)`` and ``work(1)`` run on two threads at once than one after
+    the other on this thread."""
+
+    def one() -> float:
         t0 = time.perf_counter()
-        self._run(0)
-        self._run(1)
+        work(0)
+        work(1)
         return time.perf_counter() - t0
 
-    def _two_threads(self) -> float:
+    def two() -> float:
         t0 = time.perf_counter()
-        threads = [threading.Thread(target=self._run, args=(i,)) for i in range(2)]
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         return time.perf_counter() - t0
+
+    if two_first:
+        t2 = two()
+        return one() / t2
+    t1 = one()
+    return t1 / two()
 
 
 class MemcpyFloor:
