@@ -237,41 +237,9 @@ def fold_shard(
     ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
     ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``).
     """
-    sealed = {v for v in idx.seals if v <= version}
     t0 = time.perf_counter()
-    gt = gt_offset
-    deadline: float | None = None
     try:
-        while True:
-            end = log.end_offset(state.shard) - 1
-            done = False
-            start_gt = gt
-            for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
-                if env.version > version:
-                    done = True  # one writer per partition: versions never go back after this
-                    break
-                where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
-                state.apply(env, sealed, nbytes, where, defer=defer_steps)
-                state.next_offset = offset + 1
-                gt = offset
-                if on_bytes is not None:
-                    on_bytes(nbytes)
-            if done or version <= since_version or not _short(state, idx, version):
-                break
-            now = time.monotonic()
-            if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
-                deadline = now + settle_s
-            elif now > deadline:
-                # The seal check will fail; say what the fold saw, for the one who debugs it.
-                seal = idx.seals[version].seal
-                _log.warning(
-                    "run %r shard %d: %d of the %d events of version %d the seal counts were read "
-                    "after %.0f s without progress; the last offset read is %s, the end offset %d%s",
-                    log.run_id, state.shard, state.applied_per_version.get(version, 0),
-                    seal.shard_counts[state.shard], version, settle_s, gt, end + 1,
-                    _reads_of(log, state.shard))
-                break
-            time.sleep(0.02)
+        _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps)
     except IntegrityError as exc:
         # A step without its params, a chunk without its base...: if retention deleted
         # records under this fold, that is the error to report.
@@ -282,6 +250,45 @@ def fold_shard(
     state.run_deferred()
     state.counts.seconds = time.perf_counter() - t0
     return state
+
+
+def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, gt: int | None,
+             on_bytes: Callable[[int], None] | None, settle_s: float, since_version: int,
+             defer_steps: bool) -> None:
+    """``fold_shard``'s reading: apply the shard's events after offset ``gt`` up to
+    ``version``, polling the end offset again while the seal counts more (see there)."""
+    sealed = {v for v in idx.seals if v <= version}
+    deadline: float | None = None
+    while True:
+        end = log.end_offset(state.shard) - 1
+        done = False
+        start_gt = gt
+        for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
+            if env.version > version:
+                done = True  # one writer per partition: versions never go back after this
+                break
+            where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
+            state.apply(env, sealed, nbytes, where, defer=defer_steps)
+            state.next_offset = offset + 1
+            gt = offset
+            if on_bytes is not None:
+                on_bytes(nbytes)
+        if done or version <= since_version or not _short(state, idx, version):
+            return
+        now = time.monotonic()
+        if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
+            deadline = now + settle_s
+        elif now > deadline:
+            # The seal check will fail; say what the fold saw, for the one who debugs it.
+            seal = idx.seals[version].seal
+            _log.warning(
+                "run %r shard %d: %d of the %d events of version %d the seal counts were read "
+                "after %.0f s without progress; the last offset read is %s, the end offset %d%s",
+                log.run_id, state.shard, state.applied_per_version.get(version, 0),
+                seal.shard_counts[state.shard], version, settle_s, gt, end + 1,
+                _reads_of(log, state.shard))
+            return
+        time.sleep(0.02)
 
 
 def _fail_if_truncated_under(log: EventLog, partition: int, gt_offset: int | None, version: int,
