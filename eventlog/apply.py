@@ -256,7 +256,8 @@ def verify_shard(
         if unchecked:
             raise BatchedStepsMismatchError(
                 f"{message}; versions {unchecked[0]}..{unchecked[-1]} were replayed by batched "
-                "optimizer steps without per-step checks: replay with REWIND_REPLAY_DEFER_STEPS=0 "
-                "to name the first step that predicts differently")
+                "optimizer steps, without checking each step or gradient chunk: replay with "
+                "REWIND_REPLAY_DEFER_STEPS=0 to name the first damaged chunk or the first step "
+                "that predicts differently")
         raise DigestMismatchError(message)
     state.deferred.unchecked.clear()  # the seal vouches for every batched step up to here

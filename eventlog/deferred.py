@@ -15,10 +15,19 @@ computes there. The one state that is not per element, Adam's ``step`` counter, 
 by each tile on its own copy, and the param's counter takes the final count. A state of
 any other shape makes its param one whole-tensor tile.
 
-Each version's predicted-tensor digests are not checked on this path: hashing every tensor
-after every version would stream the state through memory again. The shard digest is still
-checked against the target's seal; on a mismatch, replaying with
-``REWIND_REPLAY_DEFER_STEPS=0`` checks each step and names the version and tensor.
+Two checks wait for the seal on this path. Each version's predicted-tensor digests are
+not checked: hashing every tensor after every version would stream the state through
+memory again. Nor are the digests of the gradient chunks: hashing them streamed every
+gradient byte through memory a second time, before the step read it (a 10-version tail of
+a 100M model: 4 GB, about a fifth of a 2-worker replay's fold). The shard digest is still
+checked against the target's seal, and it covers both: a damaged gradient or a step that
+predicts differently leaves bits the seal does not vouch for, before anyone sees them. On
+a mismatch, replaying with ``REWIND_REPLAY_DEFER_STEPS=0`` (what ``replayer.replay`` does
+by itself) checks each chunk and each step, and names the record, the version and the
+tensor. The gradient digests are skipped only when the fold's caller asks for it
+(``check_grads``): ``replayer.replay``, which folds again with every check on a mismatch.
+Others (the snapshotter, a follower's incremental step, ``rewind verify``) report the
+damaged record itself.
 """
 
 from __future__ import annotations
@@ -117,6 +126,9 @@ class DeferredSteps:
         #: Versions whose steps ran here, their predicted digests unchecked (until a seal
         #: check of the shard vouches for them: ``apply.verify_shard`` clears it).
         self.unchecked: list[int] = []
+        #: Whether each gradient chunk's digest is checked as its tile reads it (``False``:
+        #: left to the seal, see the module's doc; set by ``fold.fold_shard``).
+        self.check_grads = True
 
     def __bool__(self) -> bool:
         return bool(self.steps)
@@ -184,7 +196,7 @@ class DeferredSteps:
         finals: dict[str, torch.Tensor] = {}
         views = _Views(tensors)
         for unit in _units(tiles, unit_bytes):
-            _run_unit(unit, steps, states, views, finals)
+            _run_unit(unit, steps, states, views, finals, self.check_grads)
         for name, value in finals.items():
             t = tensors[name]
             optimstep.tensor_view(t.bits, t.dtype, t.shape).copy_(value)
@@ -260,7 +272,7 @@ def _scratch(nbytes: int) -> np.ndarray:
 
 
 def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
-              views: _Views, finals: dict[str, torch.Tensor]) -> None:
+              views: _Views, finals: dict[str, torch.Tensor], check_grads: bool) -> None:
     """Run every step, in order, on one unit's tiles."""
     # Each tile's param and states as tensors over the shard's bits, made once for the unit
     # rather than once per step: py-spy put a quarter of a fold's samples in making views,
@@ -278,7 +290,7 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
         params, grads, step_states, groups = [], [], [], []
         at = 0
         for tile in members:
-            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes], view_ok)
+            buf = _decode(step.grads[tile.param], tile, scratch[at:at + tile.nbytes], view_ok, check_grads)
             at += tile.nbytes
             if tile not in tile_params:
                 tile_params[tile] = views.slice(tile.param, tile)
@@ -341,17 +353,18 @@ class _Views:
         return out
 
 
-def _decode(grad: GradChunks, tile: _Tile, out: np.ndarray, view_ok: bool) -> np.ndarray:
-    """The tile's gradient bits, digest checked: with ``view_ok``, the payload itself for
-    one uncompressed chunk; else its chunks copied or decompressed into ``out``."""
+def _decode(grad: GradChunks, tile: _Tile, out: np.ndarray, view_ok: bool, verify: bool) -> np.ndarray:
+    """The tile's gradient bits, digests checked if ``verify``: with ``view_ok``, the
+    payload itself for one uncompressed chunk; else its chunks copied or decompressed
+    into ``out``."""
     if view_ok and len(tile.chunks) == 1:
         delta, where = grad.chunks[tile.chunks[0]]
-        raw = tensorcodec.raw_bits(delta, where)
+        raw = tensorcodec.raw_bits(delta, where, verify=verify)
         if raw is not None:
             return raw
     at = 0
     for i in tile.chunks:
         delta, where = grad.chunks[i]
-        tensorcodec.decode_bits_into(delta, out[at:at + delta.byte_length], where)
+        tensorcodec.decode_bits_into(delta, out[at:at + delta.byte_length], where, verify=verify)
         at += delta.byte_length
     return out

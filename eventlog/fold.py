@@ -226,6 +226,7 @@ def fold_shard(
     settle_s: float = knobs.SETTLE_S,
     since_version: int = 0,
     defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
+    grad_digests: bool = True,
 ) -> ShardState:
     """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.
 
@@ -235,19 +236,25 @@ def fold_shard(
     (the clock starts when a pass ends short, not when the fold starts: a first pass over
     a big shard may itself take longer than ``settle_s``). Versions up to
     ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
-    ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``).
+    ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``);
+    ``grad_digests=False`` leaves that batch's gradient digests to the seal check, for a
+    caller that folds again with them on a mismatch (``replayer.replay``).
     """
     t0 = time.perf_counter()
+    state.deferred.check_grads = grad_digests
     try:
-        _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps)
-    except IntegrityError as exc:
-        # A step without its params, a chunk without its base...: if retention deleted
-        # records under this fold, that is the error to report.
-        _fail_if_truncated_under(log, state.shard, gt_offset, version, exc)
-        raise
-    if version > since_version and _short(state, idx, version):
-        _fail_if_truncated_under(log, state.shard, gt_offset, version)
-    state.run_deferred()
+        try:
+            _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps)
+        except IntegrityError as exc:
+            # A step without its params, a chunk without its base...: if retention deleted
+            # records under this fold, that is the error to report.
+            _fail_if_truncated_under(log, state.shard, gt_offset, version, exc)
+            raise
+        if version > since_version and _short(state, idx, version):
+            _fail_if_truncated_under(log, state.shard, gt_offset, version)
+        state.run_deferred()
+    finally:
+        state.deferred.check_grads = True  # a later fold of this state checks unless told
     state.counts.seconds = time.perf_counter() - t0
     return state
 
@@ -376,10 +383,12 @@ def rebuild(
     idx: ControlIndex | None = None,
     start: FoldStart | None = None,
     defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
+    grad_digests: bool = True,
 ) -> RebuiltState:
     """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
 
-    ``defer_steps``: batch consecutive optimizer steps (see ``fold_shard``)."""
+    ``defer_steps``: batch consecutive optimizer steps; ``grad_digests``: check each
+    batched gradient chunk's digest (see ``fold_shard``)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
     layout = idx.layout_at(version, start.layout if start else None)
@@ -396,7 +405,8 @@ def rebuild(
         state = start.shards[shard] if start else ShardState(shard)
         gt = start.next_offsets[shard + 1] - 1 if start else None
         fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes,
-                   since_version=start.version if start else 0, defer_steps=defer_steps)
+                   since_version=start.version if start else 0, defer_steps=defer_steps,
+                   grad_digests=grad_digests)
         state.conform(layout.tensors)
         verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
                      start.version if start else 0)

@@ -74,14 +74,17 @@ def replay(
             if use_snapshots and address.snapshots_url:
                 store = SnapshotStore(address.snapshots_url)
                 start, passed = newest_valid(store, log, idx, version, workers=workers)
+            # A batched fold leaves each step's prediction and each gradient chunk's digest
+            # to the seal: hashing the gradients streamed 4 GB through memory a second time
+            # in a 10-version tail of a 100M model.
             return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
-                           defer_steps=defer_steps), start, passed
+                           defer_steps=defer_steps, grad_digests=not defer_steps), start, passed
 
         try:
             state, start, passed = fold(bool(knobs.REPLAY_DEFER_STEPS))
         except BatchedStepsMismatchError:
-            # Batched steps skip each step's prediction check; fold again with the checks,
-            # so the error names the version, the tensor and both torch builds.
+            # Fold again with every check, so the error names the damaged record, or the
+            # version, the tensor and both torch builds of a step that predicts differently.
             fold(False)
             raise  # the checked fold matched: the batched one is the error to report
     c = state.counts

@@ -372,7 +372,8 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
 ) -> None:
     """Batched replays read gradients late, inside a tile: a raw one as a view of its
     message, an lz4 one decompressed. A flipped byte must still fail with the chunk's run,
-    shard, offset and tensor."""
+    shard, offset and tensor. ``replay`` first folds without the chunk digests, leaving
+    them to the seal; on the mismatch it folds again with them, and names the place."""
     import sqlite3
 
     monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
@@ -400,3 +401,13 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
         rebuild(log, Target(), defer_steps=defer)
     msg = str(info.value)
     assert f"run 'grads' shard {partition} offset {offset}" in msg and repr(delta.name) in msg, msg
+    if defer:
+        with address.open_log() as log, pytest.raises(
+                (BatchedStepsMismatchError, CorruptMessageError)) as unchecked:  # lz4 may refuse it
+            rebuild(log, Target(), grad_digests=False)
+        if compression == "none":
+            assert isinstance(unchecked.value, BatchedStepsMismatchError), unchecked.value
+            assert f"shard {partition} rebuilt to version 4" in str(unchecked.value)
+        with pytest.raises(CorruptMessageError) as info:
+            replay(address, Target())
+        assert str(info.value) == msg
