@@ -140,6 +140,12 @@ def table(results: dict[str, Any]) -> Table:
                   *verdict("recovery_2_workers_vs_torch_load"))
         t.add_row("", "speedup 2 vs 1 workers", _f(r["speedup_2_vs_1"], "x", 2), "", "",
                   *verdict("replay_speedup_2_vs_1"))
+        if r.get("speedup_2_vs_1_torch_1_thread") is not None:
+            t.add_row("", f"{tail}, 1 worker, torch on 1 thread", _f(r["workers_1_torch_1_thread"], "s"),
+                      _f(r["torch_load"], "s"), _f(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
+                      "", "")
+            t.add_row("", "speedup 2 workers vs that", _f(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
+                      "", "", "", "")
         if r.get("bus_speedup_2_vs_1") is not None:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")

@@ -266,6 +266,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
             f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
     base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
     times: dict[int, list[float]] = {1: [], 2: []}
+    # One worker with torch's intra-op threads cut to one: a 1-worker replay otherwise runs
+    # each Adam step on every core torch has, so "1 worker" is not "1 core".
+    one_thread: list[float] = []
     # At least 5 interleaved repeats, as for torch.load: on this shared VM one replay can
     # take 30% longer than the next, and a median of 2 is just their mean.
     repeats = max(5, cfg.repeats)
@@ -275,6 +278,8 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
             times[workers].append(got["seconds"])
             cfg.log(f"  replay, {workers} worker(s): {got['seconds']:.2f} s "
                     f"(snapshot v{got['snapshot_version']}, tail {got['tail_versions']})")
+        one_thread.append(_timed(["replay", *base, "1", "latest"], env={"OMP_NUM_THREADS": "1"})["seconds"])
+        cfg.log(f"  replay, 1 worker, torch on 1 thread: {one_thread[-1]:.2f} s")
     # The snapshot alone (replay to the snapshot's own version: no tail): what one tail
     # version costs, and how long a tail still meets the target, follow from it. Read as a
     # replay with a tail reads it (such a replay would otherwise map the files instead).
@@ -312,6 +317,8 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "torch_load": load,
         "ratio_2_workers_vs_torch_load": _ratio(w2, load),
         "speedup_2_vs_1": _ratio(w1, w2),
+        "workers_1_torch_1_thread": med(one_thread),
+        "speedup_2_vs_1_torch_1_thread": _ratio(med(one_thread), w2),
         "tail_versions": tail,
         "snapshot_version": report.snapshot_version,
         "snapshot_write_s": r.snapshot_s,
@@ -335,6 +342,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "bit_exact": True,
         "repeats": repeats,
         "samples": {"workers_1": times[1], "workers_2": times[2], "torch_load": loads,
+                    "workers_1_torch_1_thread": one_thread,
                     "snapshot_only_2_workers": snap_only, "bus_speedup_2_vs_1": bus_speedups,
                     "adam_tiles_speedup_2_vs_1": adam_speedups},
     }
