@@ -475,12 +475,20 @@ class _Stored(NamedTuple):
         return _ViewStream(self.view or memoryview(b""), self.bulk_at)
 
 
+class _Located(NamedTuple):
+    """Where a scanned record is: a view of its segment file (``stored``), a small blob's
+    bytes (``value``), or neither (a large blob, read when it is reached)."""
+
+    offset: int
+    stored: _Stored | None
+    value: bytes | None = None
+
+
 class EmbeddedLog(EventLog):
     """A run's log in a SQLite file."""
 
     def scan_batch(self, partition: int) -> int:
-        # Shard records are 4 MiB chunks, one per call (see the knob); control records
-        # are small, and many per call save a transaction each.
+        # Rows per read transaction (see ``scan_decoded``; records are decoded one at a time).
         return knobs.READ_BATCH if partition == CONTROL else knobs.EMBEDDED_READ_BATCH
 
     def __init__(self, url: str, run_id: str) -> None:
@@ -557,12 +565,32 @@ class EmbeddedLog(EventLog):
         self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
         lte: int | None = None, batch: int = 256,
     ) -> Iterator[Decoded]:
-        # One record per read: decoded from its blob (one copy of a large payload) or its
-        # segment file (none), and never before the caller reaches it. Larger batches decode from memory, lazily.
-        if batch != 1:
+        """Records found ``batch`` rows per read transaction, each decoded only when the
+        caller reaches it: from its segment file's view (no copy), from a copy of a small
+        blob, or, for a large blob, read again on its own then (one copy, and never more
+        than one alive)."""
+        if not self._db.records_have_rowid():
             return super().scan_decoded(partition, decode, gt=gt, lte=lte, batch=batch)
-        return paged(lambda cursor: self.read_decoded(partition, decode, gt=cursor, lte=lte, limit=1),
-                      gt, batch)
+
+        def locate(at: _Stored, offset: int) -> _Located:
+            if at.view is not None:
+                return _Located(offset, at)
+            if at.size() <= _BlobStream.HEAD:
+                return _Located(offset, None, at.value())
+            return _Located(offset, None)
+
+        def decoded(found: _Located) -> Iterator[Decoded]:
+            if found.stored is not None:
+                size = found.stored.size()
+                yield Decoded(found.offset, size, decode(found.stored.stream(), size, found.offset))
+            elif found.value is not None:
+                size = len(found.value)
+                yield Decoded(found.offset, size, decode(io.BytesIO(found.value), size, found.offset))
+            else:  # (gone if a truncation committed meanwhile: the fold's counts tell)
+                yield from self.read_decoded(partition, decode, gt=found.offset - 1, lte=found.offset, limit=1)
+
+        pages = paged(lambda cursor: self._stored(partition, cursor, lte, batch, locate), gt, batch)
+        return (d for found in pages for d in decoded(found))
 
     def _range(self, partition: int, gt: int | None, lte: int | None,
                limit: int | None) -> tuple[object, ...]:

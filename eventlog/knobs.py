@@ -32,11 +32,12 @@ SHARDS = _int("SHARDS", 2)
 #: fold that stops at its target version reads little past it; each call asks the broker
 #: for the partition's offsets first).
 READ_BATCH = _int("READ_BATCH", 16)
-#: Records read per call while folding an embedded shard partition. A read costs no round trip,
-#: and every record arrives as a new 4 MiB object: with fewer alive at once, the allocator
-#: reuses memory it already holds instead of faulting in fresh pages (a 100M replay took
-#: 620K page faults instead of 746K, and 8-10% less time).
-EMBEDDED_READ_BATCH = _int("EMBEDDED_READ_BATCH", 1)
+#: Rows found per read transaction while folding an embedded shard partition. Each record is
+#: still decoded when the fold reaches it, a segment file's from a view of its map, and a
+#: large record kept in SQLite read then, on its own (one 4 MiB copy alive at a time, which
+#: the allocator reuses: 620K page faults instead of 746K when such records were read in
+#: batches). One transaction per 4 MiB record had cost a fifth of a fold's reading.
+EMBEDDED_READ_BATCH = _int("EMBEDDED_READ_BATCH", 16)
 #: Most optimizer steps a version may hold and still be encoded predictively (each step logs
 #: its gradients, ~0.28 of the fp32 Adam state; beyond two, XOR deltas are smaller).
 PREDICT_MAX_STEPS = _int("PREDICT_MAX_STEPS", 2)

@@ -66,7 +66,7 @@ def torch_dtype(name: str, where: str = "event") -> torch.dtype:
 
 def itemsize(name: str) -> int:
     """Bytes per element of a dtype name."""
-    return torch.empty((), dtype=torch_dtype(name)).element_size()
+    return torch_dtype(name).itemsize  # (not a tensor's element_size: a fold asks per record)
 
 
 def nbytes_of(dtype: str, shape: tuple[int, ...], where: str = "event") -> int:

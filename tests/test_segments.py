@@ -239,6 +239,41 @@ def test_records_kept_in_sqlite_and_in_segments_read_alike(
     log.close()
 
 
+@pytest.mark.parametrize("batch", [1, 2, 16])
+def test_a_scan_finds_rows_in_pages_but_decodes_each_record_when_reached(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+    """Small and large records kept in SQLite and records in segment files come back exact
+    and in order, whatever the page size; none is decoded before the caller takes the one
+    before it, so a fold that stops at its target never fails on a damaged record after it."""
+    db = tmp_path / "o.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 1 << 40)
+    sizes = [1_000, 40_000, 2_000]  # SQLite: small (read with its page), large, small
+    _append(log, [_payload(i, n) for i, n in enumerate(sizes)])
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 0)
+    sizes += [40_000, 40_000]  # segment files
+    _append(log, [_payload(i, sizes[i]) for i in (3, 4)])
+    calls: list[int] = []
+
+    def decode(stream, size, offset):  # type: ignore[no-untyped-def]
+        calls.append(offset)
+        if offset == 3:
+            raise AssertionError("decoded a record the caller never reached")
+        return _decode(stream, size, offset)
+
+    scan = log.scan_decoded(0, decode, batch=batch)
+    for i in range(3):
+        got = next(scan)
+        assert calls == list(range(i + 1)) and got.offset == i
+        assert bytes(got.value.body.payload) == _payload(i, sizes[i])
+    del scan
+    rest = list(log.scan_decoded(0, _decode, gt=2, batch=batch))
+    assert [bytes(d.value.body.payload) for d in rest] == [_payload(i, sizes[i]) for i in (3, 4)]
+    assert [type(d.value.body.payload) for d in rest] == [memoryview, memoryview]
+    log.close()
+
+
 def test_a_rolled_back_transaction_leaves_bytes_that_no_reader_sees(tmp_path: Path) -> None:
     """Bytes of a transaction that raised are in the file but in no row, also after a reopen."""
     db = tmp_path / "a.db"
