@@ -254,10 +254,13 @@ def verify_shard(
         message = (f"shard {state.shard} rebuilt to version {version} has digest {got_digest.hex()}, "
                    f"but the seal of version {version} records {seal.shard_digests[state.shard].hex()}")
         if unchecked:
+            skipped, named = (("each step or gradient chunk", "the first damaged chunk or the first step")
+                              if state.deferred.grads_unchecked else ("per-step checks", "the first step"))
             raise BatchedStepsMismatchError(
                 f"{message}; versions {unchecked[0]}..{unchecked[-1]} were replayed by batched "
-                "optimizer steps, without checking each step or gradient chunk: replay with "
-                "REWIND_REPLAY_DEFER_STEPS=0 to name the first damaged chunk or the first step "
-                "that predicts differently")
+                f"optimizer steps, without {skipped}: replay with REWIND_REPLAY_DEFER_STEPS=0 "
+                f"to name {named} that predicts differently", mismatch=message)
         raise DigestMismatchError(message)
-    state.deferred.unchecked.clear()  # the seal vouches for every batched step up to here
+    # The seal vouches for every batched step, and every gradient, up to here.
+    state.deferred.unchecked.clear()
+    state.deferred.grads_unchecked = False

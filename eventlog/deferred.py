@@ -127,8 +127,10 @@ class DeferredSteps:
         #: check of the shard vouches for them: ``apply.verify_shard`` clears it).
         self.unchecked: list[int] = []
         #: Whether each gradient chunk's digest is checked as its tile reads it (``False``:
-        #: left to the seal, see the module's doc; set by ``fold.fold_shard``).
+        #: left to the seal, see the module's doc; set by ``fold.fold_shard``), and whether
+        #: some batch since the last seal check ran without (``apply.verify_shard`` clears it).
         self.check_grads = True
+        self.grads_unchecked = False
 
     def __bool__(self) -> bool:
         return bool(self.steps)
@@ -201,6 +203,7 @@ class DeferredSteps:
             t = tensors[name]
             optimstep.tensor_view(t.bits, t.dtype, t.shape).copy_(value)
         self.unchecked.extend(dict.fromkeys(s.version for s in steps))
+        self.grads_unchecked = self.grads_unchecked or not self.check_grads
 
 
 def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],

@@ -461,6 +461,7 @@ class _Stored(NamedTuple):
     view: memoryview | None
     bulk_at: int
     db: _Database
+    error: RewindError | None = None  # the segment file cannot be read (``_stored``)
 
     def size(self) -> int:
         return len(self.blob) if self.blob is not None else len(self.view or b"")
@@ -476,12 +477,19 @@ class _Stored(NamedTuple):
 
 
 class _Located(NamedTuple):
-    """Where a scanned record is: a view of its segment file (``stored``), a small blob's
-    bytes (``value``), or neither (a large blob, read when it is reached)."""
+    """A record a scan found: ``take()`` decodes it (see ``EmbeddedLog.scan_decoded``)."""
 
     offset: int
-    stored: _Stored | None
-    value: bytes | None = None
+    take: Callable[[], list[Decoded]]
+
+
+#: Records kept in SQLite up to this size are copied into a scan's page; a larger one is
+#: read again when the scan reaches it, so a page of 16 never holds 16 x 4 MiB.
+_PAGE_COPY_BYTES = 256 * 1024
+
+
+def _raise(error: BaseException) -> list[Decoded]:
+    raise error
 
 
 class EmbeddedLog(EventLog):
@@ -561,44 +569,62 @@ class EmbeddedLog(EventLog):
         return self._stored(partition, gt, lte, limit, lambda at, offset: Decoded(
             offset, at.size(), decode(at.stream(), at.size(), offset)))
 
+    @_wrapped
     def scan_decoded(
         self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
         lte: int | None = None, batch: int = 256,
     ) -> Iterator[Decoded]:
         """Records found ``batch`` rows per read transaction, each decoded only when the
-        caller reaches it: from its segment file's view (no copy), from a copy of a small
-        blob, or, for a large blob, read again on its own then (one copy, and never more
-        than one alive)."""
-        if not self._db.records_have_rowid():
-            return super().scan_decoded(partition, decode, gt=gt, lte=lte, batch=batch)
+        caller reaches it (so a fold that stops at its target never fails on a record past
+        it): the first of a page at once, inside its transaction; the others from views of
+        their segment files (no copy), from copies of their bytes (up to
+        ``_PAGE_COPY_BYTES``), or, a larger record kept in SQLite, read again on its own
+        then (one copy alive at a time)."""
+        if not self._db.records_have_rowid():  # whole copies: one large record per read
+            return super().scan_decoded(partition, decode, gt=gt, lte=lte,
+                                        batch=batch if partition == CONTROL else 1)
 
-        def locate(at: _Stored, offset: int) -> _Located:
-            if at.view is not None:
-                return _Located(offset, at)
-            if at.size() <= _BlobStream.HEAD:
-                return _Located(offset, None, at.value())
-            return _Located(offset, None)
+        def page(cursor: int | None) -> list[_Located]:
+            first = True
 
-        def decoded(found: _Located) -> Iterator[Decoded]:
-            if found.stored is not None:
-                size = found.stored.size()
-                yield Decoded(found.offset, size, decode(found.stored.stream(), size, found.offset))
-            elif found.value is not None:
-                size = len(found.value)
-                yield Decoded(found.offset, size, decode(io.BytesIO(found.value), size, found.offset))
-            else:  # (gone if a truncation committed meanwhile: the fold's counts tell)
-                yield from self.read_decoded(partition, decode, gt=found.offset - 1, lte=found.offset, limit=1)
+            def locate(at: _Stored, offset: int) -> _Located:
+                nonlocal first
+                if at.error is not None:
+                    error = at.error
+                    return _Located(offset, lambda: _raise(error))
+                if first:  # the record the caller is waiting for
+                    first = False
+                    now = Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))
+                    return _Located(offset, lambda: [now])
+                if at.view is not None:
+                    return _Located(offset, lambda: [
+                        Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))])
+                if at.size() <= _PAGE_COPY_BYTES:
+                    value = at.value()
+                    return _Located(offset, lambda: [
+                        Decoded(offset, len(value), decode(io.BytesIO(value), len(value), offset))])
+                return _Located(offset, lambda: self._reread(partition, decode, offset))
 
-        pages = paged(lambda cursor: self._stored(partition, cursor, lte, batch, locate), gt, batch)
-        return (d for found in pages for d in decoded(found))
+            return self._stored(partition, cursor, lte, batch, locate, lazy_errors=True)
+
+        return (d for found in paged(page, gt, batch) for d in found.take())
+
+    def _reread(self, partition: int, decode: Decoder[Any], offset: int) -> list[Decoded]:
+        """One record found by an earlier read transaction; if it is gone since, a
+        truncation that committed meanwhile (or a hand) deleted it: ``_gone`` says which."""
+        got = self.read_decoded(partition, decode, gt=offset - 1, lte=offset, limit=1)
+        if not got or got[0].offset != offset:
+            raise self._gone(partition, offset, "its row is missing")
+        return got
 
     def _range(self, partition: int, gt: int | None, lte: int | None,
                limit: int | None) -> tuple[object, ...]:
         return (self.run_id, partition, -1 if gt is None else gt,
                 (1 << 62) if lte is None else lte, -1 if limit is None else limit)
 
+    @_wrapped
     def _stored(self, partition: int, gt: int | None, lte: int | None, limit: int | None,
-                each: Callable[[_Stored, int], R]) -> list[R]:
+                each: Callable[[_Stored, int], R], *, lazy_errors: bool = False) -> list[R]:
         """``each(stored, offset)`` for every record in ``(gt, lte]``, oldest first.
 
         The rows are found first. A record kept in SQLite is then read through an
@@ -606,7 +632,9 @@ class EmbeddedLog(EventLog):
         bytes object, with the GIL released, where ``SELECT value`` copies twice holding
         it (readers of several shards in threads then run one at a time). A record kept in
         a segment file is a view of its map. The read transaction makes the lookup and the
-        blob reads see one snapshot of the database, as one SELECT would."""
+        blob reads see one snapshot of the database, as one SELECT would. With
+        ``lazy_errors``, a segment file that cannot be read is handed to ``each`` as the
+        record's ``error``, for its reader to raise if it reaches it."""
         conn = self._db.conn()
         own = not conn.in_transaction
         if own:
@@ -621,7 +649,13 @@ class EmbeddedLog(EventLog):
             out = []
             for rowid, o, file, pos, length, bulk in rows:
                 if file is not None:
-                    view = self._segment_view(partition, int(o), str(file), int(pos), int(length))
+                    try:
+                        view = self._segment_view(partition, int(o), str(file), int(pos), int(length))
+                    except RewindError as exc:
+                        if not lazy_errors:
+                            raise
+                        out.append(each(_Stored(None, None, 0, self._db, exc), int(o)))
+                        continue
                     out.append(each(_Stored(None, view, int(bulk), self._db), int(o)))
                     continue
                 with conn.blobopen("records", "value", rowid, readonly=True) as blob:
@@ -642,19 +676,27 @@ class EmbeddedLog(EventLog):
         try:
             return self._segments.view(name, pos, length, where)
         except FileNotFoundError as exc:
-            other = self._db.connect()
-            try:
-                start = other.execute(
-                    "SELECT start_offset FROM partitions WHERE run=? AND partition=?",
-                    (self.run_id, partition)).fetchone()
-            finally:
-                other.close()
-            if start is not None and offset < int(start[0]):
-                raise TruncatedHistoryError(
-                    f"{where} was truncated while it was being read (the partition now starts "
-                    f"at offset {int(start[0])})") from exc
-            raise CorruptStoreError(
-                f"{where}: segment file {self._segments_root / name} is missing") from exc
+            raise self._gone(partition, offset, f"segment file {self._segments_root / name} is missing") from exc
+
+    def _gone(self, partition: int, offset: int, what: str) -> RewindError:
+        """The error for a record found by a read but gone when read: truncated meanwhile
+        (the partition's start offset, read on a connection outside that read, is past
+        it), or damage (``what`` says which)."""
+        where = f"run {self.run_id!r} partition {partition} offset {offset}"
+        other = self._db.connect()
+        try:
+            start = other.execute(
+                "SELECT start_offset FROM partitions WHERE run=? AND partition=?",
+                (self.run_id, partition)).fetchone()
+        except sqlite3.Error as exc:
+            return self._db.wrap(exc)
+        finally:
+            other.close()
+        if start is not None and offset < int(start[0]):
+            return TruncatedHistoryError(
+                f"{where} was truncated while it was being read (the partition now starts "
+                f"at offset {int(start[0])})")
+        return CorruptStoreError(f"{where}: {what}")
 
     def _partition_row(self, partition: int) -> tuple[int, int]:
         row = self._db.conn().execute(

@@ -49,7 +49,13 @@ class DigestMismatchError(IntegrityError):
 
 class BatchedStepsMismatchError(DigestMismatchError):
     """A shard digest mismatch after optimizer steps that ran as one batch, without each
-    step's prediction check: rerunning with per-step checks names the diverging step."""
+    step's prediction check (and perhaps without each gradient chunk's digest): rerunning
+    with every check names the diverging step or the damaged chunk. ``mismatch`` is the
+    mismatch alone, without that advice."""
+
+    def __init__(self, message: str, *, mismatch: str = "") -> None:
+        super().__init__(message)
+        self.mismatch = mismatch or message
 
 
 class WrongRunError(RewindError):

@@ -82,11 +82,15 @@ def replay(
 
         try:
             state, start, passed = fold(bool(knobs.REPLAY_DEFER_STEPS))
-        except BatchedStepsMismatchError:
+        except BatchedStepsMismatchError as exc:
             # Fold again with every check, so the error names the damaged record, or the
             # version, the tensor and both torch builds of a step that predicts differently.
             fold(False)
-            raise  # the checked fold matched: the batched one is the error to report
+            raise BatchedStepsMismatchError(
+                f"{exc.mismatch}; a fold that checked every step and gradient chunk matched the "
+                "seal, so the batched optimizer steps diverge from step-by-step ones (a bug: "
+                "please report it); REWIND_REPLAY_DEFER_STEPS=0 replays without batching",
+                mismatch=exc.mismatch) from exc
     c = state.counts
     report = ReplayReport(
         run_id=state.run_id, target=str(target), version=state.version, step=state.step,

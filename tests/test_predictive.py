@@ -231,6 +231,35 @@ def test_a_replay_that_predicts_differently_names_version_tensor_and_torch(
     assert msg.count(f"torch {torch.__version__} on cpu") == 2 and "replaying under" in msg
 
 
+def test_batched_steps_that_diverge_alone_are_reported_as_such(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """When only the batched path computes differently, the fold with every check matches
+    the seal, and replay() says so instead of sending the user to look for damage."""
+    db = tmp_path / "rewind.db"
+    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "diverge")
+    live = Live(address, OPTIMIZERS["adam"])
+    for _ in range(3):
+        live.train(1)
+    live.rec.close()
+    from eventlog import deferred
+
+    real = deferred._run_unit
+
+    def off_by_one_bit(unit: Any, *args: Any) -> None:
+        real(unit, *args)
+        views = args[2]
+        views.whole(unit[0].param).view(-1)[0:1].view(torch.int32).add_(1)
+
+    monkeypatch.setattr(knobs, "REPLAY_DEFER_STEPS", 1)
+    monkeypatch.setattr(deferred, "_run_unit", off_by_one_bit)
+    with pytest.raises(BatchedStepsMismatchError) as info:
+        replay(address, Target())
+    msg = str(info.value)
+    assert "rebuilt to version 3 has digest" in msg
+    assert "a fold that checked every step and gradient chunk matched the seal" in msg
+    assert "to name" not in msg  # no advice to look for a damaged chunk
+
+
 def test_optimizer_state_lives_on_its_params_shard(address: RunAddress) -> None:
     live = Live(address, OPTIMIZERS["adam"])
     live.train(1)
@@ -404,10 +433,24 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
     if defer:
         with address.open_log() as log, pytest.raises(
                 (BatchedStepsMismatchError, CorruptMessageError)) as unchecked:  # lz4 may refuse it
-            rebuild(log, Target(), grad_digests=False)
+            rebuild(log, Target(), defer_steps=True, grad_digests=False)
+        assert "xxh3 digest" not in str(unchecked.value)  # the digest was not what failed
         if compression == "none":
             assert isinstance(unchecked.value, BatchedStepsMismatchError), unchecked.value
             assert f"shard {partition} rebuilt to version 4" in str(unchecked.value)
+            assert "the first damaged chunk" in str(unchecked.value)
+        # replay() folds without the digests first, then with them, naming the place.
+        import replayer.replay as replay_module
+
+        calls: list[bool] = []
+
+        def spy(*args: Any, **kwargs: Any) -> Any:
+            calls.append(kwargs["grad_digests"])
+            return rebuild(*args, **kwargs)
+
+        monkeypatch.setattr(knobs, "REPLAY_DEFER_STEPS", 1)
+        monkeypatch.setattr(replay_module, "rebuild", spy)
         with pytest.raises(CorruptMessageError) as info:
             replay(address, Target())
         assert str(info.value) == msg
+        assert calls == [False, True]

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eventlog import CorruptStoreError, knobs, serde
+from eventlog import CorruptStoreError, TruncatedHistoryError, knobs, serde
 from eventlog import tensorcodec as tc
 from eventlog.embedded import EmbeddedLog
 from eventlog.events import Envelope, TensorDelta
@@ -139,6 +139,11 @@ def test_a_missing_or_short_segment_file_is_named(tmp_path: Path) -> None:
     assert len(log.read(0, lte=0)) == 1  # the first record is still whole
     with pytest.raises(CorruptStoreError, match=f"segment file {seg} holds .* offset 1|offset 1.*{seg}"):
         log.read(0)
+    # A scan finds both rows in one page, but only reaching the short record fails.
+    scan = log.scan_decoded(0, _decode, batch=16)
+    assert next(scan).offset == 0
+    with pytest.raises(CorruptStoreError, match=f"segment file {seg} holds .* offset 1|offset 1.*{seg}"):
+        next(scan)
     log.close()
     seg.unlink()
     log = EmbeddedLog(f"sqlite://{db}", "r")
@@ -249,7 +254,7 @@ def test_a_scan_finds_rows_in_pages_but_decodes_each_record_when_reached(
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)
     monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 1 << 40)
-    sizes = [1_000, 40_000, 2_000]  # SQLite: small (read with its page), large, small
+    sizes = [1_000, 300_000, 2_000]  # SQLite: small (copied with its page), large, small
     _append(log, [_payload(i, n) for i, n in enumerate(sizes)])
     monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 0)
     sizes += [40_000, 40_000]  # segment files
@@ -271,6 +276,17 @@ def test_a_scan_finds_rows_in_pages_but_decodes_each_record_when_reached(
     rest = list(log.scan_decoded(0, _decode, gt=2, batch=batch))
     assert [bytes(d.value.body.payload) for d in rest] == [_payload(i, sizes[i]) for i in (3, 4)]
     assert [type(d.value.body.payload) for d in rest] == [memoryview, memoryview]
+    assert [d.offset for d in log.scan_decoded(0, _decode, gt=0, lte=3, batch=batch)] == [1, 2, 3]
+    # A large record kept in SQLite is read again when reached: if a truncation deleted it
+    # since its page was found, the scan says so (a page of one finds the next row instead).
+    scan = log.scan_decoded(0, _decode, batch=batch)
+    assert next(scan).offset == 0
+    log.truncate_before(0, 2)
+    if batch == 1:
+        assert next(scan).offset == 2
+    else:
+        with pytest.raises(TruncatedHistoryError, match="partition 0 offset 1 was truncated while it was being read"):
+            next(scan)
     log.close()
 
 
