@@ -31,7 +31,6 @@ from .errors import (
 from .events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
 from .ports import CONTROL, EventLog, MessageStream
 
-
 _log = logging.getLogger(__name__)
 
 

@@ -20,11 +20,27 @@ from dataclasses import dataclass, field
 from eventlog import FencedError, RunAddress, RunNotFoundError, knobs, serde
 from eventlog.apply import ShardState, verify_shard
 from eventlog.events import Body, Envelope, SnapshotBegin, SnapshotEnd
-from eventlog.fold import ControlIndex, FoldStart, SmallStates, fold_control, fold_shard, index_control, verify_small
+from eventlog.fold import (
+    ControlIndex,
+    FoldStart,
+    SmallStates,
+    fold_control,
+    fold_shard,
+    index_control,
+    verify_small,
+)
 from eventlog.ports import CONTROL
 
 from .catalog import encode_layout, markers, newest_valid, try_delete
-from .policies import Progress, Retention, SnapshotInfo, Trigger, every_seconds, every_versions, keep_last
+from .policies import (
+    Progress,
+    Retention,
+    SnapshotInfo,
+    Trigger,
+    every_seconds,
+    every_versions,
+    keep_last,
+)
 from .store import FORMAT, Manifest, SnapshotStore
 
 

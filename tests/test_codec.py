@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from eventlog import Recorder, RunAddress, open_log, statecodec, tensorcodec
-from eventlog.errors import CorruptMessageError, DecodeError, IntegrityError
+from eventlog.errors import CorruptMessageError, DecodeError
 from eventlog.events import TensorDelta
 from eventlog.fold import Target, rebuild
 

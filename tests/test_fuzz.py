@@ -24,8 +24,19 @@ from hypothesis import strategies as st
 from eventlog import RewindError, optimstep, serde, statecodec, tensorcodec
 from eventlog.apply import ShardState
 from eventlog.events import (
-    CommitSealed, CustomState, Envelope, Metrics, OptimizerStep, RngAdvance, RunStarted,
-    SamplerCursor, SchedulerStep, SnapshotBegin, SnapshotEnd, TensorDelta, TensorSpec,
+    CommitSealed,
+    CustomState,
+    Envelope,
+    Metrics,
+    OptimizerStep,
+    RngAdvance,
+    RunStarted,
+    SamplerCursor,
+    SchedulerStep,
+    SnapshotBegin,
+    SnapshotEnd,
+    TensorDelta,
+    TensorSpec,
 )
 from snapshotter.store import FORMAT, FileEntry, Manifest, SnapshotCorruptError
 

@@ -17,9 +17,8 @@ import torch
 from eventlog import RunAddress, Target, TruncatedHistoryError, serde
 from eventlog.apply import ShardState
 from eventlog.capture import GlobalRng, load_into
-from eventlog.events import Envelope, TensorDelta
 from eventlog.fold import ControlIndex, events, fold_shard, index_control, rebuild
-from eventlog.ports import CONTROL, EventLog
+from eventlog.ports import EventLog
 from replayer.replay import replay, state_dicts
 from snapshotter.catalog import newest_valid
 from snapshotter.policies import every_versions

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from eventlog import CoordinationError, IntegrityError, RunAddress, Target, crypto
 from eventlog.crypto import AuthenticationError, Keyring
@@ -158,7 +157,7 @@ def test_key_rotation_keeps_old_data_readable(run: RunAddress) -> None:
         with Snapshotter(run, SnapshotStore(run.snapshots_url or ""), SnapshotterConfig()) as snap:
             result = snap.snapshot(force=True)
         assert result is not None
-        model, report = state_dicts(replay(run, Target())[0])["model"], None
+        model = state_dicts(replay(run, Target())[0])["model"]
         assert _bit_equal(model, trainer.states[3])
         old = state_dicts(replay(run, Target("version", 2), use_snapshots=False)[0])["model"]
         assert _bit_equal(old, trainer.states[1])
