@@ -231,16 +231,22 @@ def test_a_replay_that_predicts_differently_names_version_tensor_and_torch(
     assert msg.count(f"torch {torch.__version__} on cpu") == 2 and "replaying under" in msg
 
 
+def _trained_embedded_run(tmp_path: Any, run_id: str, versions: int) -> tuple[RunAddress, Any]:
+    """An embedded run of ``versions`` Adam versions, its recorder closed; and its database."""
+    db = tmp_path / "rewind.db"
+    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", run_id)
+    live = Live(address, OPTIMIZERS["adam"])
+    for _ in range(versions):
+        live.train(1)
+    live.rec.close()
+    return address, db
+
+
 def test_batched_steps_that_diverge_alone_are_reported_as_such(
         tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """When only the batched path computes differently, the fold with every check matches
     the seal, and replay() says so instead of sending the user to look for damage."""
-    db = tmp_path / "rewind.db"
-    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "diverge")
-    live = Live(address, OPTIMIZERS["adam"])
-    for _ in range(3):
-        live.train(1)
-    live.rec.close()
+    address, _ = _trained_embedded_run(tmp_path, "diverge", 3)
     from eventlog import deferred
 
     real = deferred._run_unit
@@ -406,12 +412,7 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
     import sqlite3
 
     monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
-    db = tmp_path / "rewind.db"
-    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "grads")
-    live = Live(address, OPTIMIZERS["adam"])
-    for _ in range(4):
-        live.train(1)
-    live.rec.close()
+    address, db = _trained_embedded_run(tmp_path, "grads", 4)
     inline_segments(db)
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT partition, offset, value FROM records WHERE run='grads' AND partition>=0").fetchall()
