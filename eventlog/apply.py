@@ -254,7 +254,7 @@ def verify_shard(
         message = (f"shard {state.shard} rebuilt to version {version} has digest {got_digest.hex()}, "
                    f"but the seal of version {version} records {seal.shard_digests[state.shard].hex()}")
         if unchecked:
-            skipped, named = (("each step or gradient chunk", "the first damaged chunk or the first step")
+            skipped, named = (("checking each step or gradient chunk", "the first damaged chunk or the first step")
                               if state.deferred.grads_unchecked else ("per-step checks", "the first step"))
             raise BatchedStepsMismatchError(
                 f"{message}; versions {unchecked[0]}..{unchecked[-1]} were replayed by batched "

@@ -589,18 +589,23 @@ class EmbeddedLog(EventLog):
 
             def locate(at: _Stored, offset: int) -> _Located:
                 nonlocal first
+                reached, first = first, False  # the first row: the record the caller waits for
                 if at.error is not None:
+                    if reached:
+                        raise at.error
                     error = at.error
                     return _Located(offset, lambda: _raise(error))
-                if first:  # the record the caller is waiting for
-                    first = False
-                    now = Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))
-                    return _Located(offset, lambda: [now])
+                if reached:
+                    box = [Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))]
+                    return _Located(offset, lambda: [box.pop()])  # (not kept alive by the page)
                 if at.view is not None:
                     return _Located(offset, lambda: [
                         Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))])
                 if at.size() <= _PAGE_COPY_BYTES:
-                    value = at.value()
+                    try:
+                        value = at.value()
+                    except sqlite3.Error:  # reported if the scan reaches it: read it again then
+                        return _Located(offset, lambda: self._reread(partition, decode, offset))
                     return _Located(offset, lambda: [
                         Decoded(offset, len(value), decode(io.BytesIO(value), len(value), offset))])
                 return _Located(offset, lambda: self._reread(partition, decode, offset))
@@ -654,18 +659,26 @@ class EmbeddedLog(EventLog):
                     except RewindError as exc:
                         if not lazy_errors:
                             raise
-                        out.append(each(_Stored(None, None, 0, self._db, exc), int(o)))
+                        # (no traceback: it would keep this frame, and the page, alive)
+                        out.append(each(_Stored(None, None, 0, self._db, exc.with_traceback(None)), int(o)))
                         continue
                     out.append(each(_Stored(None, view, int(bulk), self._db), int(o)))
                     continue
-                with conn.blobopen("records", "value", rowid, readonly=True) as blob:
+                try:
+                    blob = conn.blobopen("records", "value", rowid, readonly=True)
+                except sqlite3.Error as exc:
+                    if not lazy_errors:
+                        raise
+                    out.append(each(_Stored(None, None, 0, self._db, self._db.wrap(exc)), int(o)))
+                    continue
+                with blob:
                     out.append(each(_Stored(blob, None, 0, self._db), int(o)))
+            if own:
+                conn.execute("COMMIT")  # read only: ends the snapshot, writes nothing
         except BaseException:
             if own and conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        if own:
-            conn.execute("COMMIT")  # read only: ends the snapshot, writes nothing
         return out
 
     def _segment_view(self, partition: int, offset: int, name: str, pos: int, length: int) -> memoryview:
@@ -689,7 +702,10 @@ class EmbeddedLog(EventLog):
                 "SELECT start_offset FROM partitions WHERE run=? AND partition=?",
                 (self.run_id, partition)).fetchone()
         except sqlite3.Error as exc:
-            return self._db.wrap(exc)
+            error = self._db.wrap(exc)
+            error.add_note(f"while checking why {where} is gone ({what})")
+            error.__cause__ = exc
+            return error
         finally:
             other.close()
         if start is not None and offset < int(start[0]):

@@ -222,6 +222,8 @@ def test_a_replay_that_predicts_differently_names_version_tensor_and_torch(
         rebuild(log, Target("version", 4), defer_steps=True)
     assert "versions 2..4 were replayed by batched optimizer steps" in str(batched.value)
     assert "REWIND_REPLAY_DEFER_STEPS=0" in str(batched.value)
+    # (this fold checked every gradient chunk: the message sends no one looking for damage)
+    assert "without per-step checks" in str(batched.value) and "damaged" not in str(batched.value)
     # ...which replay() does by itself: it folds again with per-step checks.
     with pytest.raises(DigestMismatchError) as info:
         replay(address, Target("version", 4))

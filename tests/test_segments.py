@@ -290,6 +290,26 @@ def test_a_scan_finds_rows_in_pages_but_decodes_each_record_when_reached(
     log.close()
 
 
+def test_a_bad_row_first_in_its_page_fails_at_once_and_decodes_nothing_after_it(tmp_path: Path) -> None:
+    db = tmp_path / "b.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(i) for i in range(3)])
+    with sqlite3.connect(db) as c:  # record 1's extent now runs past its file's end
+        c.execute("UPDATE extents SET length=length+(1<<30) WHERE run='r' AND partition=0 AND offset=1")
+    c.close()
+    calls: list[int] = []
+
+    def decode(stream, size, offset):  # type: ignore[no-untyped-def]
+        calls.append(offset)
+        return _decode(stream, size, offset)
+
+    with pytest.raises(CorruptStoreError, match="offset 1.*the record ends at byte"):
+        next(log.scan_decoded(0, decode, gt=0, batch=16))
+    assert calls == []
+    log.close()
+
+
 def test_a_rolled_back_transaction_leaves_bytes_that_no_reader_sees(tmp_path: Path) -> None:
     """Bytes of a transaction that raised are in the file but in no row, also after a reopen."""
     db = tmp_path / "a.db"
