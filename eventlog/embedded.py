@@ -461,7 +461,7 @@ class _Stored(NamedTuple):
     view: memoryview | None
     bulk_at: int
     db: _Database
-    error: RewindError | None = None  # the segment file cannot be read (``_stored``)
+    error: RewindError | None = None  # the record cannot be read (``_stored(lazy_errors=True)``)
 
     def size(self) -> int:
         return len(self.blob) if self.blob is not None else len(self.view or b"")
@@ -638,8 +638,8 @@ class EmbeddedLog(EventLog):
         it (readers of several shards in threads then run one at a time). A record kept in
         a segment file is a view of its map. The read transaction makes the lookup and the
         blob reads see one snapshot of the database, as one SELECT would. With
-        ``lazy_errors``, a segment file that cannot be read is handed to ``each`` as the
-        record's ``error``, for its reader to raise if it reaches it."""
+        ``lazy_errors``, a record whose segment file or blob cannot be opened is handed to
+        ``each`` with that ``error``, for its reader to raise if it reaches it."""
         conn = self._db.conn()
         own = not conn.in_transaction
         if own:
