@@ -653,23 +653,21 @@ class EmbeddedLog(EventLog):
             ).fetchall()
             out = []
             for rowid, o, file, pos, length, bulk in rows:
-                if file is not None:
-                    try:
+                view, blob = None, None
+                try:  # (opening only: an error from ``each`` is never deferred)
+                    if file is not None:
                         view = self._segment_view(partition, int(o), str(file), int(pos), int(length))
-                    except RewindError as exc:
-                        if not lazy_errors:
-                            raise
-                        # (no traceback: it would keep this frame, and the page, alive)
-                        out.append(each(_Stored(None, None, 0, self._db, exc.with_traceback(None)), int(o)))
-                        continue
-                    out.append(each(_Stored(None, view, int(bulk), self._db), int(o)))
-                    continue
-                try:
-                    blob = conn.blobopen("records", "value", rowid, readonly=True)
-                except sqlite3.Error as exc:
+                    else:
+                        blob = conn.blobopen("records", "value", rowid, readonly=True)
+                except (RewindError, sqlite3.Error) as exc:
                     if not lazy_errors:
                         raise
-                    out.append(each(_Stored(None, None, 0, self._db, self._db.wrap(exc)), int(o)))
+                    error = self._db.wrap(exc) if isinstance(exc, sqlite3.Error) else exc
+                    # (no traceback: it would keep this frame, and the page, alive)
+                    out.append(each(_Stored(None, None, 0, self._db, error.with_traceback(None)), int(o)))
+                    continue
+                if blob is None:
+                    out.append(each(_Stored(None, view, int(bulk), self._db), int(o)))
                     continue
                 with blob:
                     out.append(each(_Stored(blob, None, 0, self._db), int(o)))
