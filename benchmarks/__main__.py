@@ -146,6 +146,14 @@ def table(results: dict[str, Any]) -> Table:
                       "", "")
             t.add_row("", "speedup 2 workers vs that", _f(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
                       "", "", "", "")
+        if r.get("floor_2_workers") is not None:
+            t.add_row("", "floor, 1 worker: bare read + bare steps", _f(r["floor_1_worker"], "s"),
+                      _f(r["torch_load"], "s"), _f(_div(r["floor_1_worker"], r["torch_load"]), "x", 2), "", "")
+            t.add_row("", "floor, 2 workers: bare read + bare steps", _f(r["floor_2_workers"], "s"),
+                      _f(r["torch_load"], "s"), _f(r["floor_2_workers_vs_torch_load"], "x", 2), "",
+                      f"read {_f(r['floor_read_2'], 's')}, steps {_f(r['floor_steps_2'], 's')}")
+            t.add_row("", "floor speedup 2 vs 1", _f(r["floor_speedup_2_vs_1"], "x", 2), "", "", "",
+                      "where 2 vs 1 stops")
         if r.get("bus_speedup_2_vs_1") is not None:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")

@@ -2,11 +2,14 @@
 
     python -m benchmarks._timed load CHECKPOINT
     python -m benchmarks._timed replay LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL WORKERS TARGET
+    python -m benchmarks._timed read THREADS FILE...
+    python -m benchmarks._timed steps LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL REPEATS
 
 Prints one JSON line ``{"seconds": ...}``: the time of ``torch.load(weights_only=True)`` or
 ``replayer.replay.replay`` alone (imports and interpreter start are not counted). A fresh
 process gives both the same memory state (no warm allocator): in the benchmark's own process
-the time of ``torch.load`` varied 3x with what was freed before it.
+the time of ``torch.load`` varied 3x with what was freed before it. ``read`` and ``steps``
+time the floor's two bare jobs instead (``benchmarks.floor``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,18 @@ def main(argv: list[str]) -> int:
                           "tail_versions": report.tail_versions,
                           "state_digest": report.state_digest}))
         del state
+        return 0
+    if argv[0] == "read":
+        from benchmarks.floor import read_files
+
+        print(json.dumps({"seconds": read_files(argv[2:], int(argv[1]))}))
+        return 0
+    if argv[0] == "steps":
+        from benchmarks.floor import measure_steps
+        from eventlog import RunAddress
+
+        log_url, coord_url, run_id, snaps, repeats = argv[1:6]
+        print(json.dumps(measure_steps(RunAddress(log_url, coord_url, run_id, snaps or None), int(repeats))))
         return 0
     print(__doc__, file=sys.stderr)
     return 2

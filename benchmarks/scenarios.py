@@ -84,6 +84,10 @@ def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _sum(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a + b
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
@@ -265,13 +269,21 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     cfg.log(f"  replayed state is bit-identical to the live state (v{report.version}: "
             f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
     base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
+    # The floor (``benchmarks.floor``): the tail's optimizer steps alone, bare, then (in the
+    # loop below, interleaved with the replays) the snapshot's files alone read into fresh
+    # memory, each in a fresh process.
+    repeats = max(5, cfg.repeats)
+    floor = _timed(["steps", *base, str(repeats)]) if report.snapshot_version else None
+    if floor:
+        cfg.log(f"  floor: the tail's optimizer steps alone, 1 thread {floor['steps_1']:.2f} s, "
+                f"2 threads {floor['steps_2']:.2f} s")
+    reads: dict[int, list[float]] = {1: [], 2: []}
     times: dict[int, list[float]] = {1: [], 2: []}
     # One worker with torch's intra-op threads cut to one: a 1-worker replay otherwise runs
     # each Adam step on every core torch has, so "1 worker" is not "1 core".
     one_thread: list[float] = []
     # At least 5 interleaved repeats, as for torch.load: on this shared VM one replay can
     # take 30% longer than the next, and a median of 2 is just their mean.
-    repeats = max(5, cfg.repeats)
     for _ in range(repeats):
         for workers in (1, 2):
             got = _timed(["replay", *base, str(workers), "latest"])
@@ -280,6 +292,11 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
                     f"(snapshot v{got['snapshot_version']}, tail {got['tail_versions']})")
         one_thread.append(_timed(["replay", *base, "1", "latest"], env={"OMP_NUM_THREADS": "1"})["seconds"])
         cfg.log(f"  replay, 1 worker, torch on 1 thread: {one_thread[-1]:.2f} s")
+        for threads in (1, 2) if floor else ():
+            reads[threads].append(_timed(["read", str(threads), *floor["files"]])["seconds"])
+        if floor:
+            cfg.log(f"  floor: the snapshot's files read alone, 1 thread {reads[1][-1]:.2f} s, "
+                    f"2 threads {reads[2][-1]:.2f} s")
     # The snapshot alone (replay to the snapshot's own version: no tail): what one tail
     # version costs, and how long a tail still meets the target, follow from it. Read as a
     # replay with a tail reads it (such a replay would otherwise map the files instead).
@@ -304,6 +321,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     del adam
     cfg.log(f"  tiled fused Adam alone, 2 threads vs 1: {med(adam_speedups):.2f}x")
     w1, w2, load = med(times[1]), med(times[2]), med(loads)
+    floor = floor or {"steps_1": None, "steps_2": None, "samples": None}
+    floor_1 = _sum(med(reads[1]), floor["steps_1"])
+    floor_2 = _sum(med(reads[2]), floor["steps_2"])
     s0 = med(snap_only)
     tail = report.tail_versions
     per_version = (w2 - s0) / tail if w2 is not None and s0 is not None and tail else None
@@ -332,6 +352,16 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         # is faster than torch.load (2 workers), and its steps run tile by tile.
         "optimizer_step_s": step_s,
         "floor_ratio_vs_torch_load": _ratio(load + tail * step_s, load) if load and step_s else None,
+        # The floor: what a replay with no overhead at all would take (the snapshot's files
+        # read into fresh memory, plus the tail's optimizer steps on it; ``benchmarks.floor``).
+        "floor_read_1": med(reads[1]),
+        "floor_read_2": med(reads[2]),
+        "floor_steps_1": floor["steps_1"],
+        "floor_steps_2": floor["steps_2"],
+        "floor_1_worker": floor_1,
+        "floor_2_workers": floor_2,
+        "floor_2_workers_vs_torch_load": _ratio(floor_2, load),
+        "floor_speedup_2_vs_1": _ratio(floor_1, floor_2),
         # The memory bus's own 2-thread speedup, measured in the same run: the ceiling of
         # the replay's memory-bound part (reading records, hashing, streaming the state).
         "bus_speedup_2_vs_1": med(bus_speedups),
@@ -344,7 +374,8 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "samples": {"workers_1": times[1], "workers_2": times[2], "torch_load": loads,
                     "workers_1_torch_1_thread": one_thread,
                     "snapshot_only_2_workers": snap_only, "bus_speedup_2_vs_1": bus_speedups,
-                    "adam_tiles_speedup_2_vs_1": adam_speedups},
+                    "adam_tiles_speedup_2_vs_1": adam_speedups, "floor_read_1": reads[1],
+                    "floor_read_2": reads[2], "floor_steps": floor["samples"]},
     }
 
 
