@@ -84,6 +84,22 @@ def med(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _joint_ceiling(floor_1: float | None, floor_2: float | None, load: float | None) -> float | None:
+    """The highest 2-vs-1 speedup a replay can have while its 2-worker time meets the
+    recovery target (<= 1.5 x ``torch.load``), given the floors (``benchmarks.floor``).
+
+    A replay takes its floor plus some overhead: ``o2`` with 2 workers, ``o1`` with one.
+    The target caps ``o2`` at ``1.5 x load - floor_2``; split perfectly over 2 workers, the
+    same overhead work costs one worker at most ``o1 = 2 x o2``. So the speedup is at most
+    ``(floor_1 + 2 x o2) / (floor_2 + o2)``, highest at the largest allowed ``o2`` while
+    ``floor_1 < 2 x floor_2``, else at ``o2 = 0``. ``None``: no figures, or the floor itself
+    misses the target (then no replay meets it)."""
+    if floor_1 is None or floor_2 is None or load is None or 1.5 * load < floor_2:
+        return None
+    o2 = 1.5 * load - floor_2
+    return max(floor_1 / floor_2, (floor_1 + 2 * o2) / (floor_2 + o2))
+
+
 def _sum(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a + b
 
@@ -277,6 +293,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     if floor:
         cfg.log(f"  floor: the tail's optimizer steps alone, 1 thread {floor['steps_1']:.2f} s, "
                 f"2 threads {floor['steps_2']:.2f} s")
+    files: list[str] = floor["files"] if floor else []
     reads: dict[int, list[float]] = {1: [], 2: []}
     times: dict[int, list[float]] = {1: [], 2: []}
     # One worker with torch's intra-op threads cut to one: a 1-worker replay otherwise runs
@@ -292,9 +309,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
                     f"(snapshot v{got['snapshot_version']}, tail {got['tail_versions']})")
         one_thread.append(_timed(["replay", *base, "1", "latest"], env={"OMP_NUM_THREADS": "1"})["seconds"])
         cfg.log(f"  replay, 1 worker, torch on 1 thread: {one_thread[-1]:.2f} s")
-        for threads in (1, 2) if floor else ():
-            reads[threads].append(_timed(["read", str(threads), *floor["files"]])["seconds"])
-        if floor:
+        for threads in (1, 2) if files else ():
+            reads[threads].append(_timed(["read", str(threads), *files])["seconds"])
+        if files:
             cfg.log(f"  floor: the snapshot's files read alone, 1 thread {reads[1][-1]:.2f} s, "
                     f"2 threads {reads[2][-1]:.2f} s")
     # The snapshot alone (replay to the snapshot's own version: no tail): what one tail
@@ -362,6 +379,10 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "floor_2_workers": floor_2,
         "floor_2_workers_vs_torch_load": _ratio(floor_2, load),
         "floor_speedup_2_vs_1": _ratio(floor_1, floor_2),
+        # The replay's time above its floor, and the most the recovery target leaves for it.
+        "overhead_2_workers_s": None if w2 is None or floor_2 is None else w2 - floor_2,
+        "overhead_allowed_2_workers_s": None if load is None or floor_2 is None else 1.5 * load - floor_2,
+        "max_speedup_2_vs_1_within_recovery_target": _joint_ceiling(floor_1, floor_2, load),
         # The memory bus's own 2-thread speedup, measured in the same run: the ceiling of
         # the replay's memory-bound part (reading records, hashing, streaming the state).
         "bus_speedup_2_vs_1": med(bus_speedups),
