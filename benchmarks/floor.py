@@ -4,8 +4,9 @@
     python -m benchmarks._timed steps LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL REPEATS
 
 Any replay of a snapshot plus a tail must (1) bring the snapshot's state into fresh memory
-and (2) run the tail's optimizer steps on it. This times both with no Rewind code in the
-timed loops, on the benchmark's own recorded run:
+and (2) run the tail's optimizer steps on it. This times both bare, on the benchmark's own
+recorded run: nothing of Rewind's runs in the timed loops but its one-call dispatch to torch's
+functional optimizer (``optimstep.run_step``, which the replay uses too):
 
 1. ``read_files``: the newest snapshot's shard files read into fresh buffers with one
    ``readinto`` each (no checksum, no parsing), in a fresh process like the replays and
