@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     if argv[0] == "read":
         from benchmarks.floor import read_files
 
-        print(json.dumps({"seconds": read_files(argv[2:], int(argv[1]))}))
+        print(json.dumps({"seconds": read_files(argv[2:], int(argv[1]) > 1)}))
         return 0
     if argv[0] == "steps":
         from benchmarks.floor import measure_steps

@@ -1,28 +1,35 @@
-"""The physical floor of a recovery: the replay's two unavoidable jobs, timed bare.
+"""The floor of a recovery with this replay design: its unavoidable jobs, each timed bare.
 
     python -m benchmarks._timed read THREADS FILE...
     python -m benchmarks._timed steps LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL REPEATS
 
-Any replay of a snapshot plus a tail must (1) bring the snapshot's state into fresh memory
-and (2) run the tail's optimizer steps on it. This times both bare, on the benchmark's own
-recorded run: nothing of Rewind's runs in the timed loops but its one-call dispatch to torch's
-functional optimizer (``optimstep.run_step``, which the replay uses too):
+A replay of a snapshot plus a tail must bring the snapshot's state into fresh memory, run
+the tail's optimizer steps on it, and (to be verified) hash the state: the snapshot's file
+checksum and shard digest, and the target's seal digest. This times each of those jobs
+bare, on the benchmark's own recorded run, with 1 thread and with one thread per shard:
 
 1. ``read_files``: the newest snapshot's shard files read into fresh buffers with one
    ``readinto`` each (no checksum, no parsing), in a fresh process like the replays and
-   ``torch.load`` (on this VM, memory a process has never touched costs most of a read):
-   two threads, one shard each, against one thread reading both.
-2. ``measure_steps``: the tail's optimizer calls exactly as a batched replay makes them
-   (the same tiles, hyperparameters and logged gradients, gathered beforehand by folding
-   the log with the optimizer calls captured instead of run), passed straight to torch's
-   functional optimizer: two threads, one shard each, torch on one intra-op thread each
-   (as a 2-worker replay runs), against one thread running both shards with torch's
-   default threads (as a 1-worker replay runs). Every variant starts from the snapshot's
-   bits, in memory already touched, with the gradients copied out of the log beforehand.
+   ``torch.load`` (on this VM, memory a process has never touched costs most of a read).
+2. ``measure_steps``, steps: the tail's optimizer calls exactly as a batched replay makes
+   them (the same tiles, hyperparameters and logged gradients, gathered beforehand by
+   folding the log with the calls recorded instead of run), passed to torch through the
+   replay's own one-call dispatch (``optimstep.run_step``). One thread runs every shard
+   with torch's default threads (as a 1-worker replay does); one thread per shard runs
+   with torch's threads shared out among them (as a multi-worker replay does). Every
+   variant starts from the snapshot's bits, in memory already touched, with the gradients
+   copied out of the log beforehand.
+3. ``measure_steps``, checks: three xxh3 passes over each shard's state (the file checksum
+   over its tensors' bytes, and the shard digest twice: against the snapshot's manifest and
+   against the target's seal), with ``snapshotter.store.digest_hex`` and
+   ``ShardState.digest`` as the replay calls them.
 
-``read_2 + steps_2`` is what the fastest conceivable 2-worker replay would cost here, and
-``read_1 + steps_1`` the same for 1 worker. Their ratios to ``torch.load`` and to each other
-are where this machine stops the recovery targets.
+Left out, so the floor stays below any real replay: reading the records, mapping the
+gradients out of the log (the copies are in memory already), the Python around the calls,
+and the wait for the slower shard. ``read + steps`` is the floor of an unverified replay;
+``read + steps + checks`` that of a verified one. Their ratios to ``torch.load`` and to each
+other are where this machine stops the recovery targets, for this design (4 KiB pages,
+torch's fused Adam once per tile and step).
 """
 
 from __future__ import annotations
@@ -30,26 +37,29 @@ from __future__ import annotations
 import functools
 import os
 import statistics
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
-import eventlog.optimstep as optimstep
-from eventlog import RunAddress, Target
-from eventlog.fold import fold_shard, index_control
+from eventlog import RunAddress, Target, optimstep
+from eventlog.apply import ShardState
+from eventlog.deferred import DeferredSteps
+from eventlog.fold import ControlIndex, FoldStart, fold_shard, index_control
+from eventlog.ports import EventLog
 from snapshotter.catalog import markers, newest_valid
-from snapshotter.store import SnapshotStore
+from snapshotter.store import SnapshotStore, digest_hex
+
+from .model import timed_in_threads
 
 #: One captured optimizer call: (optimizer, hyperparams, params, grads, states, groups).
 Call = tuple[str, Any, list[torch.Tensor], list[torch.Tensor], list[dict[str, torch.Tensor]], list[int]]
 
 
 def measure_steps(address: RunAddress, repeats: int) -> dict[str, Any]:
-    """Median seconds of the tail's optimizer steps, bare, with 1 and 2 threads; and the
-    snapshot's shard files (for ``read_files``)."""
+    """Median seconds of the tail's optimizer steps and of the state's checks, bare, with
+    1 thread and with one thread per shard; and the snapshot's shard files (for
+    ``read_files``)."""
     store = SnapshotStore(address.snapshots_url or "")
     with address.open_log() as log:
         idx = index_control(log)
@@ -57,12 +67,17 @@ def measure_steps(address: RunAddress, repeats: int) -> dict[str, Any]:
         start, _ = newest_valid(store, log, idx, version, workers=2)
         if start is None:
             raise SystemExit("the run has no snapshot to start from")
+        state = [t.bits for s in start.shards for t in s.tensors.values()]
+        pristine = [b.copy() for b in state]
         calls = _capture(log, idx, version, start)
-    snapshot_id = next(m.snapshot_id for m in markers(idx).values()
-                       if m.end is not None and m.version == start.version)
+    if any(not np.array_equal(b, p) for b, p in zip(state, pristine, strict=True)):
+        raise SystemExit("the tail holds chunks besides gradients and optimizer steps: the floor "
+                         "times optimizer steps only")
+    snapshot_id = next((m.snapshot_id for m in markers(idx).values()
+                        if start.source == f"snapshot {m.snapshot_id} (version {m.version})"), None)
+    if snapshot_id is None:
+        raise SystemExit(f"cannot tell which snapshot {start.source!r} is")
     files = sorted(store.directory(address.run_id, snapshot_id).glob("shard-*.safetensors"))
-    state = [t.bits for s in start.shards for t in s.tensors.values()]
-    pristine = [b.copy() for b in state]
     counters = [(s, s.clone()) for c in calls for call in c for st in call[4] for s in st.values()
                 if s.numel() == 1]
 
@@ -72,45 +87,61 @@ def measure_steps(address: RunAddress, repeats: int) -> dict[str, Any]:
         for s, first in counters:
             s.copy_(first)
 
-    timings: dict[str, list[float]] = {"steps_1": [], "steps_2": []}
+    layout = idx.layout_at(version, start.layout)
+    timings: dict[str, list[float]] = {f"{job}_{n}": [] for job in ("steps", "checks") for n in (1, 2)}
     for i in range(repeats):
         for threads in (1, 2) if i % 2 == 0 else (2, 1):  # neither always meets a warmer cache
             reset()
-            timings[f"steps_{threads}"].append(_steps(calls, threads))
-    return {"steps_1": statistics.median(timings["steps_1"]),
-            "steps_2": statistics.median(timings["steps_2"]),
-            "tail_versions": version - start.version, "calls_per_shard": [len(c) for c in calls],
-            "files": [str(f) for f in files], "samples": timings}
+            timings[f"steps_{threads}"].append(_steps(calls, threads == 2))
+            timings[f"checks_{threads}"].append(_checks(start.shards, layout, threads == 2))
+    out: dict[str, Any] = {k: statistics.median(v) for k, v in timings.items()}
+    out.update({"tail_versions": version - start.version, "calls_per_shard": [len(c) for c in calls],
+                "files": [str(f) for f in files], "samples": timings})
+    return out
 
 
-def _capture(log: Any, idx: Any, version: int, start: Any) -> list[list[Call]]:
+def _capture(log: EventLog, idx: ControlIndex, version: int, start: FoldStart) -> list[list[Call]]:
     """Each shard's optimizer calls, as a batched replay from ``start`` makes them (the
     calls are recorded, not run: the state stays the snapshot's). Gradients are copied:
-    a replay's are views of the log, or of a scratch buffer reused by the next call."""
+    a replay's are views of the log, or of a scratch buffer reused by the next call.
+
+    Refuses a tail a shard replays in more than one batch (a log that cuts batches, or a
+    chunk size that changes): each batch's step counters start from where the one before
+    left them, which a capture that runs nothing cannot reproduce."""
     calls: list[list[Call]] = []
-    mine = threading.local()
+    batches = 0
 
     def record(optimizer: str, hyperparams: Any, params: list[torch.Tensor], grads: list[torch.Tensor],
                states: list[dict[str, torch.Tensor]], groups: list[int]) -> None:
-        mine.calls.append((optimizer, hyperparams, list(params), [g.clone() for g in grads],
-                           [dict(s) for s in states], list(groups)))
+        calls[-1].append((optimizer, hyperparams, list(params), [g.clone() for g in grads],
+                          [dict(s) for s in states], list(groups)))
 
-    real = optimstep.run_step
+    def counted(steps: DeferredSteps, *args: Any, **kwargs: Any) -> None:
+        nonlocal batches
+        batches += bool(steps.steps)
+        run(steps, *args, **kwargs)
+
+    real, run = optimstep.run_step, DeferredSteps.run
     optimstep.run_step = record  # type: ignore[assignment]
+    DeferredSteps.run = counted  # type: ignore[method-assign, assignment]
     try:
         for shard, state in enumerate(start.shards):
-            mine.calls = []
+            calls.append([])
+            batches = 0
             fold_shard(log, state, idx, version, gt_offset=start.next_offsets[shard + 1] - 1,
                        since_version=start.version, defer_steps=True, grad_digests=False)
-            calls.append(mine.calls)
+            if batches != 1:
+                raise SystemExit(f"shard {shard}'s tail replays in {batches} batches; the floor "
+                                 "needs one (an embedded log, one chunk size)")
     finally:
         optimstep.run_step = real
+        DeferredSteps.run = run  # type: ignore[method-assign]
     return calls
 
 
-def read_files(files: list[str], threads: int) -> float:
+def read_files(files: list[str], per_file: bool) -> float:
     """Seconds to read every file into a fresh buffer (torch's allocator, as a replay's):
-    one thread per file, or one for all."""
+    one thread for all, or one thread per file."""
     def one(path: str) -> None:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
@@ -119,34 +150,33 @@ def read_files(files: list[str], threads: int) -> float:
             while got < size:
                 got += f.readinto(view[got:]) or size
 
-    return _in_threads([functools.partial(one, p) for p in files], threads)
+    return timed_in_threads([functools.partial(one, p) for p in files], per_file)
 
 
-def _steps(calls: list[list[Call]], threads: int) -> float:
-    """Seconds to run every captured call through torch: one thread per shard (torch on one
-    intra-op thread each), or one thread for all (torch's default threads)."""
+def _steps(calls: list[list[Call]], per_shard: bool) -> float:
+    """Seconds to run every captured call through torch: one thread for all (torch's
+    threads as they are), or one thread per shard (torch's threads shared out, as
+    ``eventlog.fold`` shares them among replay workers)."""
     def shard(c: list[Call]) -> None:
         for call in c:
             optimstep.run_step(*call)
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, before // threads))
+    torch.set_num_threads(max(1, before // len(calls)) if per_shard else before)
     try:
-        return _in_threads([functools.partial(shard, c) for c in calls], threads)
+        return timed_in_threads([functools.partial(shard, c) for c in calls], per_shard)
     finally:
         torch.set_num_threads(before)
 
 
-def _in_threads(jobs: list[Callable[[], None]], threads: int) -> float:
-    """Wall seconds to run ``jobs``: all on this thread, or one thread each."""
-    t0 = time.perf_counter()
-    if threads == 1:
-        for job in jobs:
-            job()
-    else:
-        workers = [threading.Thread(target=job) for job in jobs]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-    return time.perf_counter() - t0
+def _checks(shards: list[ShardState], layout: Any, per_shard: bool) -> float:
+    """Seconds to hash each shard's state as a verified replay does: one xxh3 pass over
+    its tensors' bytes (the file checksum) and two shard digests (the manifest's, then the
+    seal's)."""
+    def shard(state: ShardState) -> None:
+        for t in state.tensors.values():
+            digest_hex(t.bits)
+        for _ in range(2):
+            state.digest(layout.tensors, layout.chunk_bytes)
+
+    return timed_in_threads([functools.partial(shard, s) for s in shards], per_shard)

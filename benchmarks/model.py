@@ -8,12 +8,13 @@ and a preallocated per-tensor memory copy (the physical floor of any commit).
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,27 +199,28 @@ class AdamScaling:
 def _speedup(work: Callable[[int], None], two_first: bool = False) -> float:
     """How much faster ``work(0)`` and ``work(1)`` run on two threads at once than one after
     the other on this thread."""
+    jobs = [functools.partial(work, 0), functools.partial(work, 1)]
+    if two_first:
+        t2 = timed_in_threads(jobs, True)
+        return timed_in_threads(jobs, False) / t2
+    t1 = timed_in_threads(jobs, False)
+    return t1 / timed_in_threads(jobs, True)
 
-    def one() -> float:
-        t0 = time.perf_counter()
-        work(0)
-        work(1)
-        return time.perf_counter() - t0
 
-    def two() -> float:
-        t0 = time.perf_counter()
-        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+def timed_in_threads(jobs: Sequence[Callable[[], None]], parallel: bool) -> float:
+    """Wall seconds to run ``jobs``: one after the other on this thread, or each on its own
+    thread at once."""
+    t0 = time.perf_counter()
+    if not parallel:
+        for job in jobs:
+            job()
+    else:
+        threads = [threading.Thread(target=job) for job in jobs]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        return time.perf_counter() - t0
-
-    if two_first:
-        t2 = two()
-        return one() / t2
-    t1 = one()
-    return t1 / two()
+    return time.perf_counter() - t0
 
 
 class MemcpyFloor:
