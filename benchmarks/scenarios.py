@@ -123,7 +123,8 @@ def _floor_steps(base: list[str], repeats: int, tail: int) -> tuple[dict[str, An
 
 def _sum(*xs: float | None) -> float | None:
     """The sum, or ``None`` if any term is missing."""
-    return None if any(x is None for x in xs) else sum(xs)  # type: ignore[arg-type]
+    known = [x for x in xs if x is not None]
+    return sum(known) if len(known) == len(xs) else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
