@@ -147,22 +147,25 @@ def table(results: dict[str, Any]) -> Table:
             t.add_row("", "speedup 2 workers vs that", _f(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
                       "", "", "", "")
         if r.get("floor_2_workers") is not None:
-            t.add_row("", "floor, 1 worker: read + steps + checks", _f(r["floor_1_worker"], "s"),
-                      _f(r["torch_load"], "s"), _f(_div(r["floor_1_worker"], r["torch_load"]), "x", 2), "", "")
-            t.add_row("", "floor, 2 workers: read + steps + checks", _f(r["floor_2_workers"], "s"),
-                      _f(r["torch_load"], "s"), _f(r["floor_2_workers_vs_torch_load"], "x", 2), "",
-                      f"{_f(r['floor_read_2'], 's')} + {_f(r['floor_steps_2'], 's')} + "
-                      f"{_f(r['floor_checks_2'], 's')}")
-            t.add_row("", "floor, 2 workers, without the checks", _f(r["floor_unchecked_2_workers"], "s"),
-                      _f(r["torch_load"], "s"), _f(r["floor_unchecked_2_workers_vs_torch_load"], "x", 2), "", "")
-            t.add_row("", "floor speedup 2 vs 1 (a replay with no overhead)", _f(r["floor_speedup_2_vs_1"], "x", 2),
-                      "", "", "", "")
-            t.add_row("", "2 workers' time above the floor: replay / allowed", _f(r["overhead_2_workers_s"], "s"),
-                      _f(r["overhead_allowed_2_workers_s"], "s"), "", "", "allowed: 1.5 x load - floor")
+            load = r["torch_load"]
+
+            def against_load(label: str, seconds: float | None, note: str = "") -> None:
+                t.add_row("", label, _f(seconds, "s"), _f(load, "s"), _f(_div(seconds, load), "x", 2), "", note)
+
+            parts = " + ".join(_f(r[k], "s") for k in ("floor_read_2", "floor_steps_2", "floor_checks_2"))
+            against_load("floor, 1 worker: read + steps + checks", r["floor_1_worker"])
+            against_load("floor, 2 workers: read + steps + checks", r["floor_2_workers"], parts)
+            against_load("floor, 2 workers, without the checks", r["floor_unchecked_2_workers"])
+            t.add_row("", "floor speedup 2 vs 1 (a replay with no overhead)",
+                      _f(r["floor_speedup_2_vs_1"], "x", 2), "", "", "", "")
+            t.add_row("", "2 workers' time above the floor: replay / allowed",
+                      _f(r["overhead_2_workers_s"], "s"), _f(r["overhead_allowed_2_workers_s"], "s"), "", "",
+                      "allowed: 1.5 x load - floor")
             ceiling = r["max_speedup_2_vs_1_within_recovery_target"]
+            speedup_limit = next(limit for key, *_, limit, _text in TARGETS if key == "replay_speedup_2_vs_1")
             t.add_row("", "most 2 vs 1 with 2 workers <= 1.5 x load (estimate)", _f(ceiling, "x", 2), "", "", "",
                       "the floor misses 1.5 x load" if ceiling is None
-                      else "both targets at once" if ceiling >= 1.6 else "not both targets at once")
+                      else "both targets at once" if ceiling >= speedup_limit else "not both targets at once")
         if r.get("bus_speedup_2_vs_1") is not None:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")

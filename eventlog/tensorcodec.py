@@ -276,8 +276,9 @@ def decode_bits_into(delta: TensorDelta, out: np.ndarray, where: str, *, verify:
 
 def raw_bits(delta: TensorDelta, where: str, *, verify: bool = True) -> np.ndarray | None:
     """A ``FULL`` or ``GRAD`` chunk (already passed ``check_chunk``) stored uncompressed:
-    its bits as a read-only view of the payload, digest checked (see ``verify``); ``None`` for any other
-    chunk. Saves a copy where the bits are only read (a replayed step's gradient).
+    its bits as a read-only view of the payload, digest checked (see ``verify``); ``None``
+    for any other chunk. Saves a copy where the bits are only read (a replayed step's
+    gradient).
 
     ``verify=False`` skips the digest, for a caller whose result is checked against a seal
     before anyone sees it (a batched replay, ``eventlog.deferred``): the length is still
