@@ -19,6 +19,7 @@ from .digests import chunk_digests, shard_digest, tensor_digest
 from .errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
 from .events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
 from .optimstep import check_lists, describe_failure, recorded_under, replaying_under
+from .sharing import WorkBoard
 
 APPLIED = "applied"
 SKIPPED_BY_SNAPSHOT = "skipped_by_snapshot"
@@ -187,21 +188,28 @@ class ShardState:
                     f"recorded {want.hex()}"
                 )
 
-    def digest(self, specs: Sequence[TensorSpec], chunk_bytes: int) -> bytes:
-        """This shard's digest over the tensors ``specs`` assigns to it."""
-        digests = {}
-        for spec in specs:
-            if spec.shard != self.shard:
-                continue
+    def digest(self, specs: Sequence[TensorSpec], chunk_bytes: int, board: WorkBoard | None = None) -> bytes:
+        """This shard's digest over the tensors ``specs`` assigns to it (``board``: tensors
+        hashed by whichever worker of a parallel fold takes them)."""
+        mine = [spec for spec in specs if spec.shard == self.shard]
+        for spec in mine:
             buf = self.tensors.get(spec.name)
             if buf is None or buf.dtype != spec.dtype or buf.shape != tuple(spec.shape):
                 raise IntegrityError(
                     f"shard {self.shard}: tensor {spec.name!r} {spec.dtype}{list(spec.shape)} "
                     "was never fully written by the log"
                 )
-            digests[spec.name] = tensor_digest(
-                spec.name, spec.dtype, tuple(spec.shape), chunk_digests(buf.bits, chunk_bytes)
-            )
+        digests = dict.fromkeys((spec.name for spec in mine), b"")
+
+        def one(spec: TensorSpec) -> None:
+            digests[spec.name] = tensor_digest(spec.name, spec.dtype, tuple(spec.shape),
+                                               chunk_digests(self.tensors[spec.name].bits, chunk_bytes))
+
+        if board is not None:
+            board.run(mine, one)
+        else:
+            for spec in mine:
+                one(spec)
         return shard_digest(digests)
 
     def conform(self, specs: Sequence[TensorSpec]) -> None:
@@ -233,11 +241,12 @@ def verify_shard(
     chunk_bytes: int,
     seals: Mapping[int, CommitSealed],
     since_version: int,
+    board: WorkBoard | None = None,
 ) -> None:
     """Fail loudly unless the shard holds exactly the sealed state of ``version``.
 
     Checks that every version after ``since_version`` had all of its events applied (none
-    half applied), then the shard digest against the seal.
+    half applied), then the shard digest against the seal (hashed on ``board``'s workers).
     """
     for v, s in sorted(seals.items()):
         if since_version < v <= version:
@@ -248,7 +257,7 @@ def verify_shard(
                     f"shard {state.shard}, version {v}: applied {got} of the {want} events its "
                     "seal counts (the log is missing records)"
                 )
-    got_digest = state.digest(specs, chunk_bytes)
+    got_digest = state.digest(specs, chunk_bytes, board)
     if got_digest != seal.shard_digests[state.shard]:
         unchecked = state.deferred.unchecked
         message = (f"shard {state.shard} rebuilt to version {version} has digest {got_digest.hex()}, "

@@ -45,6 +45,7 @@ import torch
 from . import optimstep, tensorcodec
 from .errors import IntegrityError, RewindError
 from .events import OptimizerStep, TensorDelta
+from .sharing import WorkBoard
 
 #: Optimizers whose step only reads its gradients (torch's Adam and AdamW write one only to
 #: unscale it by ``grad_scale``, which ``optimstep`` never passes). Their raw gradients are
@@ -131,6 +132,9 @@ class DeferredSteps:
         #: some batch since the last seal check ran without (``apply.verify_shard`` clears it).
         self.check_grads = True
         self.grads_unchecked = False
+        #: Where the batch's units are posted for other replay workers to share
+        #: (``eventlog.sharing``; set by ``fold.fold_shard`` for the fold's duration).
+        self.board: WorkBoard | None = None
 
     def __bool__(self) -> bool:
         return bool(self.steps)
@@ -197,8 +201,17 @@ class DeferredSteps:
         # copies' final values, written back once every unit has run.
         finals: dict[str, torch.Tensor] = {}
         views = _Views(tensors)
-        for unit in _units(tiles, unit_bytes):
-            _run_unit(unit, steps, states, views, finals, self.check_grads)
+        check = self.check_grads
+
+        def work(unit: list[_Tile]) -> None:
+            _run_unit(unit, steps, states, views, finals, check)
+
+        units = _units(tiles, unit_bytes)
+        if self.board is not None:
+            self.board.run(units, work)  # units are disjoint slices: any thread may run one
+        else:
+            for unit in units:
+                work(unit)
         for name, value in finals.items():
             t = tensors[name]
             optimstep.tensor_view(t.bits, t.dtype, t.shape).copy_(value)
@@ -282,6 +295,7 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
     # which holds the GIL the other replay worker waits for (a sampling figure: side by
     # side, the change was within the VM's noise).
     tile_params: dict[_Tile, torch.Tensor] = {}
+    copies: dict[tuple[str, int], torch.Tensor] = {}
     tile_states: dict[tuple[_Tile, tuple[tuple[str, str], ...]], dict[str, torch.Tensor]] = {}
     for step, owned in zip(steps, states, strict=True):
         members = [t for t in unit if t.param in step.grads]
@@ -304,7 +318,7 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
             mine = owned.get(tile.param, {})
             key = (tile, tuple(mine.items()))
             if key not in tile_states:
-                tile_states[key] = views.states(tile, mine)
+                tile_states[key] = views.states(tile, mine, copies)
             step_states.append(tile_states[key])
             groups.append(step.body.groups[index[tile.param]])
         try:
@@ -313,21 +327,18 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
             raise
         except Exception as exc:  # recorded (untrusted) values drive torch's optimizer code
             raise optimstep.describe_failure(step.body, step.version, step.where, exc) from exc
-    for (name, _), value in views.copies.items():
-        finals[name] = value
-    views.copies.clear()
+    for (name, _), value in copies.items():
+        finals[name] = value  # every tile of a param counts the same steps
 
 
 class _Views:
     """Tensors over a shard's bits, for the tiles of one batch of steps: each tensor's whole
-    view is made once, and tiles slice it."""
+    view is made once, and tiles slice it. Units on other threads share it: a view made
+    twice by a race is the same view."""
 
     def __init__(self, tensors: Mapping[str, TensorBits]) -> None:
         self.tensors = tensors
         self._whole: dict[str, torch.Tensor] = {}
-        #: The current unit's single-value states (Adam's step counter) by (state, tile
-        #: start): the tile's own copy, advanced by each step.
-        self.copies: dict[tuple[str, int], torch.Tensor] = {}
 
     def whole(self, name: str) -> torch.Tensor:
         """Tensor ``name`` in its shape, over its bits."""
@@ -342,15 +353,17 @@ class _Views:
         view = self.whole(name)
         return view if tile.whole else view.reshape(-1)[tile.start:tile.stop]
 
-    def states(self, tile: _Tile, owned: Mapping[str, str]) -> dict[str, torch.Tensor]:
-        """The tile's slice of each per-element state; for a single-value state, the tile's
-        own copy (``copies``)."""
+    def states(self, tile: _Tile, owned: Mapping[str, str],
+               copies: dict[tuple[str, int], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The tile's slice of each per-element state; for a single-value state (Adam's
+        step counter), the tile's own copy, kept in its unit's ``copies`` by (state, tile
+        start) and advanced by each step."""
         out: dict[str, torch.Tensor] = {}
         for key, name in owned.items():
             if not tile.whole and _numel(self.tensors[name]) == 1:
-                if (name, tile.start) not in self.copies:
-                    self.copies[(name, tile.start)] = self.whole(name).clone()
-                out[key] = self.copies[(name, tile.start)]
+                if (name, tile.start) not in copies:
+                    copies[(name, tile.start)] = self.whole(name).clone()
+                out[key] = copies[(name, tile.start)]
             else:
                 out[key] = self.slice(name, tile)
         return out

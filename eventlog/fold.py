@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +29,7 @@ from .errors import (
 )
 from .events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
 from .ports import CONTROL, EventLog, MessageStream
+from .sharing import WorkBoard, map_shared
 
 _log = logging.getLogger(__name__)
 
@@ -226,6 +226,7 @@ def fold_shard(
     since_version: int = 0,
     defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
     grad_digests: bool = True,
+    board: WorkBoard | None = None,
 ) -> ShardState:
     """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.
 
@@ -237,10 +238,12 @@ def fold_shard(
     ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
     ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``);
     ``grad_digests=False`` leaves that batch's gradient digests to the seal check, for a
-    caller that folds again with them on a mismatch (``replayer.replay``).
+    caller that folds again with them on a mismatch (``replayer.replay``). ``board``: where
+    the batch's tiles are posted for other workers of a parallel fold to share.
     """
     t0 = time.perf_counter()
     state.deferred.check_grads = grad_digests
+    state.deferred.board = board
     try:
         try:
             _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps)
@@ -254,6 +257,7 @@ def fold_shard(
         state.run_deferred()
     finally:
         state.deferred.check_grads = True  # a later fold of this state checks unless told
+        state.deferred.board = None
     state.counts.seconds = time.perf_counter() - t0
     return state
 
@@ -386,7 +390,8 @@ def rebuild(
 ) -> RebuiltState:
     """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
 
-    ``defer_steps``: batch consecutive optimizer steps; ``grad_digests``: check each
+    Shards fold on ``workers`` threads, which share their optimizer tiles and digest
+    tensors (``eventlog.sharing``). ``defer_steps``: batch consecutive optimizer steps; ``grad_digests``: check each
     batched gradient chunk's digest (see ``fold_shard``)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
@@ -400,19 +405,21 @@ def rebuild(
     verify_small(small, info)
     seals = {v: s.seal for v, s in idx.seals.items()}
 
-    def one(shard: int) -> ShardState:
+    def one(shard: int, board: WorkBoard | None) -> ShardState:
         state = start.shards[shard] if start else ShardState(shard)
         gt = start.next_offsets[shard + 1] - 1 if start else None
         fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes,
                    since_version=start.version if start else 0, defer_steps=defer_steps,
-                   grad_digests=grad_digests)
+                   grad_digests=grad_digests, board=board)
         state.conform(layout.tensors)
         verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
-                     start.version if start else 0)
+                     start.version if start else 0, board)
         return state
 
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool, _torch_threads_per_worker(workers):
-        shards = list(pool.map(one, range(layout.shard_count)))
+    # Workers share the optimizer steps' tiles and the digests' tensors: one whose shards
+    # are done helps the others.
+    with _torch_threads_per_worker(workers):
+        shards = map_shared(workers, range(layout.shard_count), one)
     total = small.counts
     per_shard = {}
     for s in shards:

@@ -11,7 +11,6 @@ import base64
 import fcntl
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -21,8 +20,9 @@ from eventlog.digests import small_digest
 from eventlog.events import RunStarted, SnapshotBegin, SnapshotEnd
 from eventlog.fold import ControlIndex, FoldStart
 from eventlog.ports import EventLog
+from eventlog.sharing import WorkBoard
 
-from .store import SnapshotCorruptError, SnapshotStore
+from .store import Manifest, ShardCheck, SnapshotCorruptError, SnapshotStore
 
 
 @dataclass(frozen=True)
@@ -111,33 +111,40 @@ def load_start(
     (``mapped``: for a fold with no tail to step through; see ``SnapshotStore.read_buffer``)."""
     if marker.end is None:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id} has no end marker (orphan)")
-    with reading(store, log.run_id, marker.snapshot_id):
-        manifest, shards, small = store.load(log.run_id, marker.snapshot_id,
-                                             marker.end.manifest_digest, workers=workers, mapped=mapped)
-    layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
-    if manifest.version != marker.version:
-        raise SnapshotCorruptError(
-            f"snapshot {marker.snapshot_id}: manifest says version {manifest.version}, "
-            f"its end marker {marker.version}"
-        )
-    seal = idx.seals.get(manifest.version)  # gone if the log was truncated past it
-    if seal is not None and [d.hex() for d in seal.seal.shard_digests] != manifest.shard_digests:
-        raise SnapshotCorruptError(
-            f"snapshot {marker.snapshot_id}: manifest digests differ from the seal of "
-            f"version {manifest.version}"
-        )
+    layouts: list[RunStarted] = []
 
-    def check(state: ShardState) -> None:
-        if state.digest(layout.tensors, layout.chunk_bytes).hex() != manifest.shard_digests[state.shard]:
+    def checker(manifest: Manifest) -> ShardCheck:
+        """The manifest's own checks, before any shard file is read; then each shard's."""
+        layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
+        layouts.append(layout)
+        if manifest.version != marker.version:
             raise SnapshotCorruptError(
-                f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the sealed "
-                f"state of version {manifest.version}"
+                f"snapshot {marker.snapshot_id}: manifest says version {manifest.version}, "
+                f"its end marker {marker.version}"
             )
-        state.next_offset = manifest.next_offsets[state.shard + 1]
+        seal = idx.seals.get(manifest.version)  # gone if the log was truncated past it
+        if seal is not None and [d.hex() for d in seal.seal.shard_digests] != manifest.shard_digests:
+            raise SnapshotCorruptError(
+                f"snapshot {marker.snapshot_id}: manifest digests differ from the seal of "
+                f"version {manifest.version}"
+            )
 
-    # One shard per worker: hashing releases the GIL, and every shard's bits are hashed.
-    with ThreadPoolExecutor(max(1, workers)) as pool:
-        list(pool.map(check, shards))
+        def check(state: ShardState, board: WorkBoard | None) -> None:
+            # Right after the shard is read, on its worker (hashing releases the GIL), its
+            # tensors shared with a worker done early.
+            if state.digest(layout.tensors, layout.chunk_bytes, board).hex() != manifest.shard_digests[state.shard]:
+                raise SnapshotCorruptError(
+                    f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the sealed "
+                    f"state of version {manifest.version}"
+                )
+            state.next_offset = manifest.next_offsets[state.shard + 1]
+
+        return check
+
+    with reading(store, log.run_id, marker.snapshot_id):
+        manifest, shards, small = store.load(log.run_id, marker.snapshot_id, marker.end.manifest_digest,
+                                             workers=workers, mapped=mapped, checker=checker)
+    layout = layouts[0]
     if small_digest(small.states).hex() != manifest.small_digest:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id}: small states do not match")
     small.next_offset = manifest.next_offsets[0]

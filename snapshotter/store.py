@@ -13,7 +13,7 @@ import json
 import mmap
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,7 +29,10 @@ from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError,
 from eventlog.apply import ShardState, TensorBits
 from eventlog.durability import fsync_dir
 from eventlog.fold import SmallStates
+from eventlog.sharing import WorkBoard, map_shared
 from eventlog.tensorcodec import itemsize, nbytes_of, torch_dtype
+
+from .pieces import read_and_hash
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -242,6 +245,9 @@ def _writable_buffer(size: int, data_start: int = 0) -> np.ndarray:
     return raw[shift : shift + size]
 
 
+#: A check of one loaded shard, run by the worker that loaded it (``SnapshotStore.load``).
+ShardCheck = Callable[[ShardState, "WorkBoard | None"], None]
+
 def load_shard_file(data: bytes | np.ndarray, shard: int, where: str) -> dict[str, TensorBits]:
     """Parse a verified safetensors shard file into raw tensor bits.
 
@@ -362,7 +368,7 @@ class SnapshotStore:
 
     def read_buffer(
         self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None,
-        *, mapped: bool = False,
+        *, mapped: bool = False, board: WorkBoard | None = None,
     ) -> np.ndarray:
         """One file's bytes as a writable uint8 array, verified against its manifest entry
         (and decrypted), like ``read_file``: read straight into one buffer (no copies), whose
@@ -391,19 +397,14 @@ class SnapshotStore:
                 head = os.pread(f.fileno(), 8, 0)
                 hlen = int.from_bytes(head, "little") if len(head) == 8 and key_id is None else 0
                 buf = _writable_buffer(size, 8 + hlen if hlen <= size else 0)
-                view, got = buf.data, 0
-                while got < size:
-                    n = f.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+                got, digest = read_and_hash(f.fileno(), buf, board)
         except OSError as exc:
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} is missing") from exc
         if got != size:
             raise SnapshotCorruptError(
                 f"snapshot {snapshot_id}: {path} has {got} bytes, manifest says {entry.bytes} (truncated?)"
             )
-        self._verified(buf, snapshot_id, path, entry)
+        self._verified(buf, snapshot_id, path, entry, digest)
         if key_id is None:
             return buf
         where = f"snapshot {snapshot_id} {entry.name}"
@@ -416,31 +417,43 @@ class SnapshotStore:
         return out
 
     @staticmethod
-    def _verified(buf: np.ndarray, snapshot_id: str, path: Path, entry: FileEntry) -> np.ndarray:
-        if digest_hex(buf) != entry.xxh3:
+    def _verified(buf: np.ndarray, snapshot_id: str, path: Path, entry: FileEntry,
+                  digest: str | None = None) -> np.ndarray:
+        """``buf``, unless its xxh3 (``digest``, when already computed) is not the manifest's."""
+        if (digest or digest_hex(buf)) != entry.xxh3:
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} fails its xxh3 checksum")
         return buf
 
     def load(
         self, run_id: str, snapshot_id: str, expect_digest: bytes | None, *, workers: int = 2,
-        mapped: bool = False,
+        mapped: bool = False, checker: Callable[[Manifest], ShardCheck] | None = None,
     ) -> tuple[Manifest, list[ShardState], SmallStates]:
         """Verify and load a snapshot into shard states and small states (``mapped``: shard
-        files mapped privately, for a state that will mostly be read; see ``read_buffer``)."""
+        files mapped privately, for a state that will mostly be read; see ``read_buffer``).
+
+        ``checker``: given the manifest before any shard file is read, returns a check
+        that each loaded shard must pass; it runs on the worker that loaded the shard, as
+        soon as it is loaded."""
         m = self.read_manifest(run_id, snapshot_id, expect_digest)
         entries = {e.name: e for e in m.files}
+        check = checker(m) if checker else None
 
-        def load_shard(shard: int) -> ShardState:
+        def load_shard(shard: int, board: WorkBoard | None) -> ShardState:
             name = f"shard-{shard}.safetensors"
             if name not in entries:
                 raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks {name}")
-            data = self.read_buffer(run_id, snapshot_id, entries[name], m.key_id, mapped=mapped)
+            data = self.read_buffer(run_id, snapshot_id, entries[name], m.key_id, mapped=mapped,
+                                    board=board)
             gsn = m.applied_gsns[shard + 1]
             tensors = load_shard_file(data, shard, f"snapshot {snapshot_id} {name}")
-            return ShardState(shard, tensors, applied_gsn=gsn, snapshot_gsn=gsn, version=m.version)
+            state = ShardState(shard, tensors, applied_gsn=gsn, snapshot_gsn=gsn, version=m.version)
+            if check is not None:
+                check(state, board)
+            return state
 
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            shards = list(pool.map(load_shard, range(m.shard_count)))
+        # Workers share the files' pieces (and the checks' tensors): one whose shards are
+        # done helps the others.
+        shards = map_shared(workers, range(m.shard_count), load_shard)
         if "small.msgpack" not in entries:
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks small.msgpack")
         raw = self.read_file(run_id, snapshot_id, entries["small.msgpack"], m.key_id)

@@ -37,9 +37,10 @@ def run(backend: str, tmp_path: Path) -> RunAddress:
 class Trainer:
     """A tiny model trained step by step, recorded by a Recorder; remembers its states."""
 
-    def __init__(self, address: RunAddress) -> None:
+    def __init__(self, address: RunAddress, sizes: tuple[int, int, int] = (16, 32, 3)) -> None:
         torch.manual_seed(0)
-        self.model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 3))
+        self.inputs = sizes[0]
+        self.model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.Linear(sizes[1], sizes[2]))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         self.rec = Recorder(address, self.model, self.opt, rng=False, chunk_bytes=1024)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
@@ -47,12 +48,16 @@ class Trainer:
 
     def train(self, steps: int, metric: callable = lambda s: float(s)) -> None:  # type: ignore[valid-type]
         for _ in range(steps):
-            self.model(torch.randn(4, 16)).pow(2).sum().backward()
+            self.model(torch.randn(4, self.inputs)).pow(2).sum().backward()
             self.opt.step()
             self.opt.zero_grad()
             self.rec.commit(self.step, {"reward": metric(self.step)}, wait=True)
             self.states[self.step] = {k: v.clone() for k, v in self.model.state_dict().items()}
             self.step += 1
+
+    def optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The optimizer's per-param states now, flat: ``"<param index>.<key>"``."""
+        return {f"{i}.{k}": v.clone() for i, s in self.opt.state_dict()["state"].items() for k, v in s.items()}
 
 
 def _model_at(address: RunAddress, target: Target) -> tuple[dict[str, torch.Tensor], object]:

@@ -1,0 +1,139 @@
+"""Work that replay workers share, so that no core idles while another shard has work left.
+
+A parallel replay gives each worker whole shards. On 2 cores, two equal shards still
+finished their batched optimizer steps 0.06-0.14 s apart in a 100M replay: one core then
+idles while the other does the rest. Here a worker that runs a batch of units (tiles of
+optimizer steps) posts them on a ``WorkBoard``; a worker with nothing left of its own takes
+units from it. Every unit is still run exactly once, by one thread, and the poster waits
+until all of its units are done (its own and those taken by others) before it goes on, so
+a batch's results are complete when ``run`` returns, and its first error is raised there.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def map_shared(workers: int, items: Sequence[T], fn: Callable[[T, WorkBoard | None], R]) -> list[R]:
+    """``[fn(item, board) for item in items]`` on ``workers`` threads; raises the error of
+    the first item that failed.
+
+    With more than one worker and item, ``fn`` gets a ``WorkBoard`` to post its units on,
+    and a worker with no item left to take runs the others' units until every item is done.
+    Otherwise ``board`` is ``None`` and ``fn`` runs its units itself (on one pool thread)."""
+    n = len(items)
+    if workers <= 1 or n <= 1:
+        with ThreadPoolExecutor(1) as pool:
+            return list(pool.map(lambda item: fn(item, None), items))
+    board = WorkBoard(participants=n)
+    results: list[R | None] = [None] * n
+    errors: dict[int, BaseException] = {}
+    claims = itertools.count()  # items are taken in order, each by one worker
+
+    def worker() -> None:
+        while (i := next(claims)) < n:
+            try:
+                results[i] = fn(items[i], board)
+            except BaseException as exc:  # noqa: BLE001 - raised below, for the first failed item
+                errors[i] = exc
+            finally:
+                board.leave()
+        board.help()
+
+    with ThreadPoolExecutor(min(workers, n)) as pool:
+        for future in [pool.submit(worker) for _ in range(min(workers, n))]:
+            future.result()
+    if errors:
+        raise errors[min(errors)]
+    return results  # type: ignore[return-value]
+
+
+@dataclass(eq=False)
+class _Job(Generic[T]):
+    units: Sequence[T]
+    work: Callable[[T], None]
+    taken: int = 0
+    running: int = 0
+    error: BaseException | None = None
+
+    def open(self) -> bool:
+        return self.error is None and self.taken < len(self.units)
+
+
+class WorkBoard:
+    """Batches of units posted by workers, for idle workers to take a share of."""
+
+    def __init__(self, participants: int = 0) -> None:
+        """``participants``: how many workers may still post work; a helper waits for
+        each to ``leave`` before it stops looking for units."""
+        self._cond = threading.Condition()
+        self._jobs: list[_Job] = []  # type: ignore[type-arg]
+        self._active = participants
+
+    def leave(self) -> None:
+        """One participant will post no more work."""
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def run(self, units: Sequence[T], work: Callable[[T], None]) -> None:
+        """Run ``work`` on every unit, here and on helpers; return when all are done.
+
+        Raises the first error a unit raised (no unit is started after it)."""
+        job = _Job(units, work)
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify_all()
+        try:
+            while self._run_one(job):
+                pass
+        finally:
+            with self._cond:
+                self._jobs.remove(job)
+                while job.running:
+                    self._cond.wait()
+        if job.error is not None:
+            raise job.error
+
+    def help(self) -> int:
+        """Run other workers' units until none are left and no participant can post more;
+        returns how many ran here."""
+        ran = 0
+        while True:
+            with self._cond:
+                job = next((j for j in self._jobs if j.open()), None)
+                if job is None:
+                    if not self._active:
+                        return ran
+                    self._cond.wait()
+                    continue
+            if self._run_one(job):
+                ran += 1
+
+    def _run_one(self, job: _Job[T]) -> bool:
+        """Take ``job``'s next unit and run it; ``False`` when none was left to take."""
+        with self._cond:
+            if not job.open():
+                return False
+            unit = job.units[job.taken]
+            job.taken += 1
+            job.running += 1
+        error: BaseException | None = None
+        try:
+            job.work(unit)
+        except BaseException as exc:  # noqa: BLE001 - handed to the poster, which raises it
+            error = exc
+        with self._cond:
+            job.running -= 1
+            if error is not None and job.error is None:
+                job.error = error
+            self._cond.notify_all()
+        return True
