@@ -188,7 +188,8 @@ class ShardState:
                     f"recorded {want.hex()}"
                 )
 
-    def digest(self, specs: Sequence[TensorSpec], chunk_bytes: int, board: WorkBoard | None = None) -> bytes:
+    def digest(self, specs: Sequence[TensorSpec], chunk_bytes: int,
+               board: WorkBoard | None = None) -> bytes:
         """This shard's digest over the tensors ``specs`` assigns to it (``board``: tensors
         hashed by whichever worker of a parallel fold takes them)."""
         mine = [spec for spec in specs if spec.shard == self.shard]
@@ -202,8 +203,8 @@ class ShardState:
         digests = dict.fromkeys((spec.name for spec in mine), b"")
 
         def one(spec: TensorSpec) -> None:
-            digests[spec.name] = tensor_digest(spec.name, spec.dtype, tuple(spec.shape),
-                                               chunk_digests(self.tensors[spec.name].bits, chunk_bytes))
+            chunks = chunk_digests(self.tensors[spec.name].bits, chunk_bytes)
+            digests[spec.name] = tensor_digest(spec.name, spec.dtype, tuple(spec.shape), chunks)
 
         if board is not None:
             board.run(mine, one)

@@ -391,8 +391,8 @@ def rebuild(
     """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
 
     Shards fold on ``workers`` threads, which share their optimizer tiles and digest
-    tensors (``eventlog.sharing``). ``defer_steps``: batch consecutive optimizer steps; ``grad_digests``: check each
-    batched gradient chunk's digest (see ``fold_shard``)."""
+    tensors (``eventlog.sharing``). ``defer_steps``: batch consecutive optimizer steps;
+    ``grad_digests``: check each batched gradient chunk's digest (see ``fold_shard``)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
     layout = idx.layout_at(version, start.layout if start else None)

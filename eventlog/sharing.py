@@ -15,8 +15,8 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -62,10 +62,13 @@ class _Job(Generic[T]):
     work: Callable[[T], None]
     taken: int = 0
     running: int = 0
-    error: BaseException | None = None
+    #: Errors by unit index. Units are taken in order, so once unit k failed, every unit
+    #: before it was taken and will finish: the lowest index is the error a loop over the
+    #: units, one after another, would have raised.
+    errors: dict[int, BaseException] = field(default_factory=dict)
 
     def open(self) -> bool:
-        return self.error is None and self.taken < len(self.units)
+        return not self.errors and self.taken < len(self.units)
 
 
 class WorkBoard:
@@ -75,7 +78,7 @@ class WorkBoard:
         """``participants``: how many workers may still post work; a helper waits for
         each to ``leave`` before it stops looking for units."""
         self._cond = threading.Condition()
-        self._jobs: list[_Job] = []  # type: ignore[type-arg]
+        self._jobs: list[_Job[Any]] = []
         self._active = participants
 
     def leave(self) -> None:
@@ -87,7 +90,8 @@ class WorkBoard:
     def run(self, units: Sequence[T], work: Callable[[T], None]) -> None:
         """Run ``work`` on every unit, here and on helpers; return when all are done.
 
-        Raises the first error a unit raised (no unit is started after it)."""
+        If units fail, no unit starts after the first failure, and the error of the
+        lowest-numbered failed unit is raised: the one a plain loop would have raised."""
         job = _Job(units, work)
         with self._cond:
             self._jobs.append(job)
@@ -97,11 +101,12 @@ class WorkBoard:
                 pass
         finally:
             with self._cond:
+                job.taken = len(job.units)  # however this ends, no helper starts another unit
                 self._jobs.remove(job)
                 while job.running:
                     self._cond.wait()
-        if job.error is not None:
-            raise job.error
+        if job.errors:
+            raise job.errors[min(job.errors)]
 
     def help(self) -> int:
         """Run other workers' units until none are left and no participant can post more;
@@ -123,17 +128,16 @@ class WorkBoard:
         with self._cond:
             if not job.open():
                 return False
-            unit = job.units[job.taken]
+            index = job.taken
             job.taken += 1
             job.running += 1
-        error: BaseException | None = None
         try:
-            job.work(unit)
+            job.work(job.units[index])
         except BaseException as exc:  # noqa: BLE001 - handed to the poster, which raises it
-            error = exc
-        with self._cond:
-            job.running -= 1
-            if error is not None and job.error is None:
-                job.error = error
-            self._cond.notify_all()
+            with self._cond:
+                job.errors[index] = exc
+        finally:
+            with self._cond:
+                job.running -= 1
+                self._cond.notify_all()
         return True

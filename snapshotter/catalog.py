@@ -111,12 +111,10 @@ def load_start(
     (``mapped``: for a fold with no tail to step through; see ``SnapshotStore.read_buffer``)."""
     if marker.end is None:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id} has no end marker (orphan)")
-    layouts: list[RunStarted] = []
 
     def checker(manifest: Manifest) -> ShardCheck:
         """The manifest's own checks, before any shard file is read; then each shard's."""
         layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
-        layouts.append(layout)
         if manifest.version != marker.version:
             raise SnapshotCorruptError(
                 f"snapshot {marker.snapshot_id}: manifest says version {manifest.version}, "
@@ -132,19 +130,21 @@ def load_start(
         def check(state: ShardState, board: WorkBoard | None) -> None:
             # Right after the shard is read, on its worker (hashing releases the GIL), its
             # tensors shared with a worker done early.
-            if state.digest(layout.tensors, layout.chunk_bytes, board).hex() != manifest.shard_digests[state.shard]:
+            got = state.digest(layout.tensors, layout.chunk_bytes, board).hex()
+            if got != manifest.shard_digests[state.shard]:
                 raise SnapshotCorruptError(
-                    f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the sealed "
-                    f"state of version {manifest.version}"
+                    f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the "
+                    f"sealed state of version {manifest.version}"
                 )
             state.next_offset = manifest.next_offsets[state.shard + 1]
 
         return check
 
     with reading(store, log.run_id, marker.snapshot_id):
-        manifest, shards, small = store.load(log.run_id, marker.snapshot_id, marker.end.manifest_digest,
-                                             workers=workers, mapped=mapped, checker=checker)
-    layout = layouts[0]
+        manifest, shards, small = store.load(log.run_id, marker.snapshot_id,
+                                             marker.end.manifest_digest, workers=workers,
+                                             mapped=mapped, checker=checker)
+    layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
     if small_digest(small.states).hex() != manifest.small_digest:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id}: small states do not match")
     small.next_offset = manifest.next_offsets[0]

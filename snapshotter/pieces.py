@@ -26,16 +26,16 @@ def read_and_hash(fd: int, buf: np.ndarray, board: WorkBoard | None) -> tuple[in
     """Fill ``buf`` from the start of file ``fd``; returns the bytes read (fewer than
     ``len(buf)``: the file ended early) and the xxh3-128 (hex) of ``buf``. With a board, in
     pieces other workers may take."""
-    size = len(buf)
-    if board is None or size <= PIECE:
+    size, piece_bytes = len(buf), PIECE
+    if board is None or size <= piece_bytes:
         got = _pread_full(fd, buf, 0)
         return got, xxhash.xxh3_128_hexdigest(buf)  # type: ignore[arg-type]
-    starts = range(0, size, PIECE)
+    starts = range(0, size, piece_bytes)
     got = dict.fromkeys(starts, 0)
-    digest = _InOrderHash(buf)
+    digest = _InOrderHash(buf, piece_bytes)
 
     def piece(at: int) -> None:
-        got[at] = _pread_full(fd, buf[at:at + PIECE], at)
+        got[at] = _pread_full(fd, buf[at:at + piece_bytes], at)
         digest.filled(at)
 
     board.run(starts, piece)
@@ -55,12 +55,13 @@ def _pread_full(fd: int, view: np.ndarray, offset: int) -> int:
 
 
 class _InOrderHash:
-    """xxh3-128 of a buffer whose ``PIECE``-byte pieces are filled in any order, on any
+    """xxh3-128 of a buffer whose ``piece``-byte pieces are filled in any order, on any
     thread: each piece is hashed once every piece before it is, by the thread that
     completes that run of pieces (the others go on with their work)."""
 
-    def __init__(self, buf: np.ndarray) -> None:
+    def __init__(self, buf: np.ndarray, piece: int) -> None:
         self._buf = buf
+        self._piece = piece
         self._hash = xxhash.xxh3_128()
         self._lock = threading.Lock()
         self._filled: set[int] = set()
@@ -80,8 +81,8 @@ class _InOrderHash:
                     self._hashing = False
                     return
                 start = self._next
-                self._next += PIECE
-            self._hash.update(self._buf[start:start + PIECE])  # type: ignore[arg-type]
+                self._next += self._piece
+            self._hash.update(self._buf[start:start + self._piece])  # type: ignore[arg-type]
 
     def hexdigest(self) -> str:
         """The digest of the whole buffer (every piece must have been filled)."""

@@ -246,7 +246,8 @@ def _writable_buffer(size: int, data_start: int = 0) -> np.ndarray:
 
 
 #: A check of one loaded shard, run by the worker that loaded it (``SnapshotStore.load``).
-ShardCheck = Callable[[ShardState, "WorkBoard | None"], None]
+ShardCheck = Callable[[ShardState, WorkBoard | None], None]
+
 
 def load_shard_file(data: bytes | np.ndarray, shard: int, where: str) -> dict[str, TensorBits]:
     """Parse a verified safetensors shard file into raw tensor bits.

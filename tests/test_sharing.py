@@ -15,6 +15,7 @@ import torch
 
 from eventlog import Target, knobs
 from eventlog import deferred as deferred_module
+from eventlog import fold as fold_module
 from eventlog.sharing import WorkBoard, map_shared
 from replayer.replay import replay, state_dicts
 from snapshotter import pieces as pieces_module
@@ -74,6 +75,7 @@ def test_one_worker_runs_everything_itself() -> None:
 
 def test_a_units_error_reaches_its_poster_and_stops_its_job() -> None:
     started: list[int] = []
+    caught: list[BaseException] = []
 
     def item(key: int, board: WorkBoard | None) -> None:
         if key == 0:
@@ -86,12 +88,43 @@ def test_a_units_error_reaches_its_poster_and_stops_its_job() -> None:
                 raise ValueError("unit 3 is damaged")
 
         assert board is not None
-        board.run(list(range(40)), work)
+        try:
+            board.run(list(range(40)), work)
+        except ValueError as exc:
+            caught.append(exc)  # raised here, in the poster, whichever thread ran unit 3
+            raise
 
     with pytest.raises(ValueError, match="unit 3 is damaged"):
         map_shared(2, [0, 1], item)
+    assert [str(e) for e in caught] == ["unit 3 is damaged"]
     assert sorted(started) == sorted(set(started))  # none twice
     assert len(started) < 10  # no unit starts once the error is known (two may be in flight)
+
+
+def test_of_two_failed_units_the_first_in_order_is_raised() -> None:
+    """As a loop over the units would: unit 1 fails first (on the helper), unit 0 later."""
+    unit_1_failed = threading.Event()
+    threads: dict[int, str] = {}
+
+    def item(key: int, board: WorkBoard | None) -> None:
+        if key == 0:
+            return
+
+        def work(unit: int) -> None:
+            threads[unit] = threading.current_thread().name
+            if unit == 0:
+                assert unit_1_failed.wait(5), "no helper took unit 1"
+                raise ValueError("unit 0 is damaged")
+            if unit == 1:
+                unit_1_failed.set()
+                raise ValueError("unit 1 is damaged")
+
+        assert board is not None
+        board.run([0, 1, 2, 3], work)
+
+    with pytest.raises(ValueError, match="unit 0 is damaged"):
+        map_shared(2, [0, 1], item)
+    assert threads.keys() == {0, 1} and threads[0] != threads[1]  # 2 and 3 never started
 
 
 def _flat_optimizer(tree: dict) -> dict[str, torch.Tensor]:  # type: ignore[type-arg]
@@ -111,7 +144,8 @@ def test_a_replay_with_shared_tiles_digests_and_pieces_is_exact(
                                   snapshots_url=f"file://{tmp_path / 'snapshots'}")
     trainer = Trainer(address, sizes=(32, 64, 8))
     trainer.train(3)
-    with Snapshotter(address, SnapshotStore(address.snapshots_url or ""), SnapshotterConfig()) as snap:
+    store = SnapshotStore(address.snapshots_url or "")
+    with Snapshotter(address, store, SnapshotterConfig()) as snap:
         snap.snapshot(force=True)
     trainer.train(4)
     want = {"model": trainer.states[trainer.step - 1], "optimizer": trainer.optimizer_state()}
@@ -119,14 +153,22 @@ def test_a_replay_with_shared_tiles_digests_and_pieces_is_exact(
     monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", 1024)
     monkeypatch.setattr(pieces_module, "PIECE", 512)
     slow_threads: set[str] = set()  # that ran tiles of the biggest param
-    run_unit = deferred_module._run_unit
+    one_shard_verified = threading.Event()
+    run_unit, verify = deferred_module._run_unit, fold_module.verify_shard
 
     def spy(unit, steps, *rest):  # type: ignore[no-untyped-def]
-        if any(t.param == "model/0.weight" for t in unit):  # 8 tiles, slowed down
+        if any(t.param == "model/0.weight" for t in unit):  # 8 tiles
+            # Slow until the other shard is done, so that its worker comes to help.
+            one_shard_verified.wait(5)
             time.sleep(0.02)
             slow_threads.add(threading.current_thread().name)
         return run_unit(unit, steps, *rest)
 
+    def verified(*args, **kwargs):  # type: ignore[no-untyped-def]
+        verify(*args, **kwargs)
+        one_shard_verified.set()
+
+    monkeypatch.setattr(fold_module, "verify_shard", verified)
     monkeypatch.setattr(deferred_module, "_run_unit", spy)
     pieces: Counter[int] = Counter()
     pread = pieces_module._pread_full
@@ -157,24 +199,17 @@ def test_a_file_hashed_as_its_pieces_fill_in_any_order_has_the_files_xxh3() -> N
     import xxhash
 
     buf = np.frombuffer(random.Random(5).randbytes(10_000), dtype=np.uint8).copy()
-    order = list(range(0, len(buf), pieces_module.PIECE))
-    assert len(order) == 1  # one piece at the real size; many at a small one:
-    for piece in (1000, 999, 4096):
+    for piece in (1000, 999, 4096, 10_000, 20_000):
         starts = list(range(0, len(buf), piece))
         random.Random(piece).shuffle(starts)
-        orig = pieces_module.PIECE
-        pieces_module.PIECE = piece
-        try:
-            digest = pieces_module._InOrderHash(buf)
-            threads = [threading.Thread(target=lambda part, h=digest: [h.filled(s) for s in part],
-                                        args=(starts[i::3],)) for i in range(3)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            assert digest.hexdigest() == xxhash.xxh3_128_hexdigest(buf.tobytes()), piece
-        finally:
-            pieces_module.PIECE = orig
+        digest = pieces_module._InOrderHash(buf, piece)
+        threads = [threading.Thread(target=lambda part, h=digest: [h.filled(s) for s in part],
+                                    args=(starts[i::3],)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert digest.hexdigest() == xxhash.xxh3_128_hexdigest(buf.tobytes()), piece
 
 
 def test_a_damaged_snapshot_file_read_in_pieces_is_named_and_passed_over(
@@ -183,7 +218,8 @@ def test_a_damaged_snapshot_file_read_in_pieces_is_named_and_passed_over(
                                   snapshots_url=f"file://{tmp_path / 'snapshots'}")
     trainer = Trainer(address, sizes=(32, 64, 8))
     ids = []
-    with Snapshotter(address, SnapshotStore(address.snapshots_url or ""), SnapshotterConfig()) as snap:
+    store = SnapshotStore(address.snapshots_url or "")
+    with Snapshotter(address, store, SnapshotterConfig()) as snap:
         for _ in range(2):
             trainer.train(2)
             ids.append(snap.snapshot(force=True).snapshot_id)  # type: ignore[union-attr]
