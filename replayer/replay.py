@@ -19,7 +19,7 @@ import torch
 
 from eventlog import RunAddress, Target, knobs
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
-from eventlog.errors import BatchedStepsMismatchError
+from eventlog.errors import BatchedStepsMismatchError, DigestMismatchError
 from eventlog.fold import FoldStart, RebuiltState, index_control, rebuild
 from eventlog.ports import EventLog
 from snapshotter.catalog import newest_valid
@@ -69,28 +69,41 @@ def replay(
         idx = index_control(log)
         version = idx.resolve(target)
 
-        def fold(defer_steps: bool) -> tuple[RebuiltState, FoldStart | None, list[tuple[str, str]]]:
-            start, passed = None, []
-            if use_snapshots and address.snapshots_url:
-                store = SnapshotStore(address.snapshots_url)
-                start, passed = newest_valid(store, log, idx, version, workers=workers)
-            # A batched fold leaves each step's prediction and each gradient chunk's digest
-            # to the seal: hashing the gradients streamed 4 GB through memory a second time
-            # in a 10-version tail of a 100M model.
-            return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
-                           defer_steps=defer_steps, grad_digests=not defer_steps), start, passed
+        def start_at(checked: bool) -> tuple[FoldStart | None, list[tuple[str, str]]]:
+            if not (use_snapshots and address.snapshots_url):
+                return None, []
+            return newest_valid(SnapshotStore(address.snapshots_url), log, idx, version,
+                                workers=workers, checked=checked)
 
+        def fold(start: FoldStart | None, batched: bool) -> RebuiltState:
+            return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
+                           defer_steps=batched, grad_digests=not batched)
+
+        # A batched fold leaves to the target's seal what the seal covers: each gradient
+        # chunk's digest (hashing them streamed 4 GB through memory a second time in a
+        # 10-version tail of a 100M model), and the snapshot files' checksums and shard
+        # digests (two passes over the whole state).
+        batched = bool(knobs.REPLAY_DEFER_STEPS)
+        start, passed = start_at(checked=not batched)
         try:
-            state, start, passed = fold(bool(knobs.REPLAY_DEFER_STEPS))
-        except BatchedStepsMismatchError as exc:
-            # Fold again with every check, so the error names the damaged record, or the
-            # version, the tensor and both torch builds of a step that predicts differently.
-            fold(False)
-            raise BatchedStepsMismatchError(
-                f"{exc.mismatch}; a fold that checked every step and gradient chunk matched the "
-                "seal, so the batched optimizer steps diverge from step-by-step ones (a bug: "
-                "please report it); REWIND_REPLAY_DEFER_STEPS=0 replays without batching",
-                mismatch=exc.mismatch) from exc
+            state = fold(start, batched)
+        except DigestMismatchError as exc:  # BatchedStepsMismatchError too
+            if not batched:
+                raise
+            # Fold again with every check, so a damaged snapshot is named and passed over
+            # for an older one, and a damaged record is named; or the version, the tensor
+            # and both torch builds of a step that predicts differently.
+            first, (start, passed) = start, start_at(checked=True)
+            state = fold(start, False)
+            if _source(start) == _source(first):
+                if not isinstance(exc, BatchedStepsMismatchError):
+                    raise
+                raise BatchedStepsMismatchError(
+                    f"{exc.mismatch}; a fold that checked every step, gradient chunk and "
+                    "snapshot file matched the seal, so the batched optimizer steps diverge "
+                    "from step-by-step ones (a bug: please report it); "
+                    "REWIND_REPLAY_DEFER_STEPS=0 replays without batching",
+                    mismatch=exc.mismatch) from exc
     c = state.counts
     report = ReplayReport(
         run_id=state.run_id, target=str(target), version=state.version, step=state.step,
@@ -105,6 +118,10 @@ def replay(
         tail_versions=state.version - (start.version if start else 0),
     )
     return state, report
+
+
+def _source(start: FoldStart | None) -> str:
+    return start.source if start else "the start of the log"
 
 
 def restorer(address: RunAddress, workers: int = 2) -> Callable[[EventLog], RebuiltState]:

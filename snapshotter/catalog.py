@@ -105,10 +105,14 @@ def try_delete(store: SnapshotStore, run_id: str, snapshot_id: str) -> bool:
 
 def load_start(
     store: SnapshotStore, log: EventLog, idx: ControlIndex, marker: Marker, *, workers: int = 2,
-    mapped: bool = False,
+    mapped: bool = False, checked: bool = True,
 ) -> FoldStart:
     """Load and verify one snapshot as a fold start, or raise saying what is wrong
-    (``mapped``: for a fold with no tail to step through; see ``SnapshotStore.read_buffer``)."""
+    (``mapped``: for a fold with no tail to step through; see ``SnapshotStore.read_buffer``).
+
+    ``checked=False`` leaves the shard files' checksums and the shard digests to the
+    caller's seal check (``replayer.replay``, which loads checked after a mismatch); the
+    manifest, its digests against the seal, and the small states are checked always."""
     if marker.end is None:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id} has no end marker (orphan)")
 
@@ -128,6 +132,9 @@ def load_start(
             )
 
         def check(state: ShardState, board: WorkBoard | None) -> None:
+            state.next_offset = manifest.next_offsets[state.shard + 1]
+            if not checked:
+                return
             # Right after the shard is read, on its worker (hashing releases the GIL), its
             # tensors shared with a worker done early.
             got = state.digest(layout.tensors, layout.chunk_bytes, board).hex()
@@ -136,14 +143,13 @@ def load_start(
                     f"snapshot {marker.snapshot_id}: shard {state.shard} does not rebuild the "
                     f"sealed state of version {manifest.version}"
                 )
-            state.next_offset = manifest.next_offsets[state.shard + 1]
 
         return check
 
     with reading(store, log.run_id, marker.snapshot_id):
         manifest, shards, small = store.load(log.run_id, marker.snapshot_id,
                                              marker.end.manifest_digest, workers=workers,
-                                             mapped=mapped, checker=checker)
+                                             mapped=mapped, checker=checker, checked=checked)
     layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
     if small_digest(small.states).hex() != manifest.small_digest:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id}: small states do not match")
@@ -153,17 +159,19 @@ def load_start(
 
 
 def newest_valid(
-    store: SnapshotStore, log: EventLog, idx: ControlIndex, max_version: int, *, workers: int = 2
+    store: SnapshotStore, log: EventLog, idx: ControlIndex, max_version: int, *, workers: int = 2,
+    checked: bool = True,
 ) -> tuple[FoldStart | None, list[tuple[str, str]]]:
     """The newest snapshot at or before ``max_version`` that verifies, and why newer ones
-    were passed over (``[(snapshot_id, reason)]``)."""
+    were passed over (``[(snapshot_id, reason)]``; ``checked``: see ``load_start``)."""
     passed: list[tuple[str, str]] = []
     complete = [m for m in markers(idx).values() if m.end is not None and m.version <= max_version]
     for marker in sorted(complete, key=lambda m: m.version, reverse=True):
         try:
             # A snapshot of the target itself is only read: map it instead of copying it.
-            return load_start(store, log, idx, marker, workers=workers,
-                              mapped=bool(knobs.SNAPSHOT_MAP) and marker.version == max_version), passed
+            mapped = bool(knobs.SNAPSHOT_MAP) and marker.version == max_version
+            return load_start(store, log, idx, marker, workers=workers, mapped=mapped,
+                              checked=checked), passed
         except RewindError as exc:
             passed.append((marker.snapshot_id, str(exc)))
     return None, passed

@@ -22,24 +22,26 @@ from eventlog.sharing import WorkBoard
 PIECE = 32 * 1024 * 1024
 
 
-def read_and_hash(fd: int, buf: np.ndarray, board: WorkBoard | None) -> tuple[int, str]:
+def read_and_hash(fd: int, buf: np.ndarray, board: WorkBoard | None,
+                  hashed: bool = True) -> tuple[int, str | None]:
     """Fill ``buf`` from the start of file ``fd``; returns the bytes read (fewer than
-    ``len(buf)``: the file ended early) and the xxh3-128 (hex) of ``buf``. With a board, in
-    pieces other workers may take."""
+    ``len(buf)``: the file ended early) and the xxh3-128 (hex) of ``buf`` (``None`` unless
+    ``hashed``). With a board, in pieces other workers may take."""
     size, piece_bytes = len(buf), PIECE
     if board is None or size <= piece_bytes:
         got = _pread_full(fd, buf, 0)
-        return got, xxhash.xxh3_128_hexdigest(buf)  # type: ignore[arg-type]
+        return got, xxhash.xxh3_128_hexdigest(buf) if hashed else None  # type: ignore[arg-type]
     starts = range(0, size, piece_bytes)
     got = dict.fromkeys(starts, 0)
-    digest = _InOrderHash(buf, piece_bytes)
+    digest = _InOrderHash(buf, piece_bytes) if hashed else None
 
     def piece(at: int) -> None:
         got[at] = _pread_full(fd, buf[at:at + piece_bytes], at)
-        digest.filled(at)
+        if digest is not None:
+            digest.filled(at)
 
     board.run(starts, piece)
-    return sum(got.values()), digest.hexdigest()
+    return sum(got.values()), digest.hexdigest() if digest is not None else None
 
 
 def _pread_full(fd: int, view: np.ndarray, offset: int) -> int:

@@ -369,7 +369,7 @@ class SnapshotStore:
 
     def read_buffer(
         self, run_id: str, snapshot_id: str, entry: FileEntry, key_id: str | None = None,
-        *, mapped: bool = False, board: WorkBoard | None = None,
+        *, mapped: bool = False, board: WorkBoard | None = None, checked: bool = True,
     ) -> np.ndarray:
         """One file's bytes as a writable uint8 array, verified against its manifest entry
         (and decrypted), like ``read_file``: read straight into one buffer (no copies), whose
@@ -380,7 +380,12 @@ class SnapshotStore:
         pages (a replay to the snapshot's own version took 0.17 s instead of 0.51 s at 100M);
         each page written later is copied then, one fault at a time, which made a replay
         that steps through a 10-version tail 2x slower. Snapshot files are never rewritten
-        in place, so the map cannot shrink under the state."""
+        in place, so the map cannot shrink under the state.
+
+        ``checked=False`` skips the xxh3 checksum, for a caller that checks what it builds
+        from the bits against a seal, and reads the file again checked on a mismatch
+        (``replayer.replay``). The length is still checked, and an encrypted file is still
+        authenticated by its decryption."""
         path = self.directory(run_id, snapshot_id) / entry.name
         if "/" in entry.name or entry.name.startswith("."):
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: bad file name {entry.name!r}")
@@ -394,18 +399,19 @@ class SnapshotStore:
                     )
                 if mapped and key_id is None and size:
                     buf = np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=np.uint8)
-                    return self._verified(buf, snapshot_id, path, entry)
+                    return self._verified(buf, snapshot_id, path, entry) if checked else buf
                 head = os.pread(f.fileno(), 8, 0)
                 hlen = int.from_bytes(head, "little") if len(head) == 8 and key_id is None else 0
                 buf = _writable_buffer(size, 8 + hlen if hlen <= size else 0)
-                got, digest = read_and_hash(f.fileno(), buf, board)
+                got, digest = read_and_hash(f.fileno(), buf, board, hashed=checked)
         except OSError as exc:
             raise SnapshotCorruptError(f"snapshot {snapshot_id}: {path} is missing") from exc
         if got != size:
             raise SnapshotCorruptError(
                 f"snapshot {snapshot_id}: {path} has {got} bytes, manifest says {entry.bytes} (truncated?)"
             )
-        self._verified(buf, snapshot_id, path, entry, digest)
+        if checked:
+            self._verified(buf, snapshot_id, path, entry, digest)
         if key_id is None:
             return buf
         where = f"snapshot {snapshot_id} {entry.name}"
@@ -428,13 +434,15 @@ class SnapshotStore:
     def load(
         self, run_id: str, snapshot_id: str, expect_digest: bytes | None, *, workers: int = 2,
         mapped: bool = False, checker: Callable[[Manifest], ShardCheck] | None = None,
+        checked: bool = True,
     ) -> tuple[Manifest, list[ShardState], SmallStates]:
         """Verify and load a snapshot into shard states and small states (``mapped``: shard
         files mapped privately, for a state that will mostly be read; see ``read_buffer``).
 
         ``checker``: given the manifest before any shard file is read, returns a check
         that each loaded shard must pass; it runs on the worker that loaded the shard, as
-        soon as it is loaded."""
+        soon as it is loaded. ``checked=False``: the shard files' checksums are skipped (see
+        ``read_buffer``); the manifest and the small states are always checked."""
         m = self.read_manifest(run_id, snapshot_id, expect_digest)
         entries = {e.name: e for e in m.files}
         check = checker(m) if checker else None
@@ -444,7 +452,7 @@ class SnapshotStore:
             if name not in entries:
                 raise SnapshotCorruptError(f"snapshot {snapshot_id}: manifest lacks {name}")
             data = self.read_buffer(run_id, snapshot_id, entries[name], m.key_id, mapped=mapped,
-                                    board=board)
+                                    board=board, checked=checked)
             gsn = m.applied_gsns[shard + 1]
             tensors = load_shard_file(data, shard, f"snapshot {snapshot_id} {name}")
             state = ShardState(shard, tensors, applied_gsn=gsn, snapshot_gsn=gsn, version=m.version)

@@ -300,3 +300,54 @@ def test_a_replay_to_a_snapshots_own_version_maps_it_and_never_writes_it(run: Ru
     assert first.snapshot_id in (report.snapshot or "") and report.tail_versions == 2
     assert _bit_equal(state_dicts(state)["model"], trainer.states[trainer.step - 1])
     trainer.rec.close()
+
+
+def test_a_replay_leaves_snapshot_checks_to_the_seal_and_checks_them_on_a_mismatch(
+        run: RunAddress, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batched replay does not hash the snapshot's shard files, nor their digests at load:
+    the target's seal covers those bits. When the seal does not match, it loads again with
+    every check, which names the damaged file and passes it over for an older snapshot."""
+    from eventlog.apply import ShardState
+
+    trainer = Trainer(run)
+    ids = []
+    with _snapshotter(run) as snap:
+        for _ in range(2):
+            trainer.train(3)
+            ids.append(snap.snapshot(force=True).snapshot_id)  # type: ignore[union-attr]
+    trainer.train(2)
+    hashed: list[str] = []
+    verified = SnapshotStore._verified
+
+    def spy(buf, snapshot_id, path, entry, digest=None):  # type: ignore[no-untyped-def]
+        hashed.append(entry.name)
+        return verified(buf, snapshot_id, path, entry, digest)
+
+    digests = []
+    shard_digest = ShardState.digest
+
+    def count(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        digests.append(self.shard)
+        return shard_digest(self, *args, **kwargs)
+
+    monkeypatch.setattr(SnapshotStore, "_verified", staticmethod(spy))
+    monkeypatch.setattr(ShardState, "digest", count)
+    for target, step in ((Target(), trainer.step - 1), (Target.parse("version=6"), 5)):
+        hashed.clear()
+        digests.clear()
+        model, report = _model_at(run, target)
+        assert _bit_equal(model, trainer.states[step])
+        assert report.snapshot is not None and ids[1] in report.snapshot
+        assert hashed == ["small.msgpack"]  # no shard file hashed
+        assert sorted(digests) == [0, 1]  # one digest per shard: the seal's
+
+    _flip(SnapshotStore(run.snapshots_url or "").root / run.run_id / ids[1] / "shard-0.safetensors")
+    for target, step in ((Target(), trainer.step - 1), (Target.parse("version=6"), 5)):
+        hashed.clear()
+        model, report = _model_at(run, target)
+        assert _bit_equal(model, trainer.states[step])
+        reasons = dict(report.passed_over)  # type: ignore[attr-defined]
+        assert reasons.keys() == {ids[1]} and "fails its xxh3 checksum" in reasons[ids[1]]
+        assert report.snapshot is not None and ids[0] in report.snapshot
+        assert "shard-0.safetensors" in hashed  # the second load checked the files
+    trainer.rec.close()
