@@ -5,8 +5,9 @@
 
 A replay of a snapshot plus a tail must bring the snapshot's state into fresh memory, run
 the tail's optimizer steps on it, and (to be verified) hash the state once, for the
-target's seal digest (the seal covers the snapshot's bits too: ``replayer.replay`` checks
-the snapshot's files and digests only after a mismatch). This times each of those jobs
+target's seal digest (the seal covers the snapshot's bits too: with batched steps, the
+default, ``replayer.replay`` checks the snapshot's files and digests only after a failure).
+This times each of those jobs
 bare, on the benchmark's own recorded run, with 1 thread and with one thread per shard:
 
 1. ``read_files``: the newest snapshot's shard files read into fresh buffers with one

@@ -8,6 +8,7 @@ back into torch ``state_dict`` trees; ``write_checkpoint`` writes a restorable c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -19,11 +20,13 @@ import torch
 
 from eventlog import RunAddress, Target, knobs
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
-from eventlog.errors import BatchedStepsMismatchError, DigestMismatchError
+from eventlog.errors import BatchedStepsMismatchError, DecodeError, IntegrityError
 from eventlog.fold import FoldStart, RebuiltState, index_control, rebuild
 from eventlog.ports import EventLog
 from snapshotter.catalog import newest_valid
 from snapshotter.store import SnapshotStore
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,23 +90,29 @@ def replay(
         start, passed = start_at(checked=not batched)
         try:
             state = fold(start, batched)
-        except DigestMismatchError as exc:  # BatchedStepsMismatchError too
+        except (IntegrityError, DecodeError) as exc:
             if not batched:
                 raise
-            # Fold again with every check, so a damaged snapshot is named and passed over
-            # for an older one, and a damaged record is named; or the version, the tensor
-            # and both torch builds of a step that predicts differently.
+            # Unchecked bits can fail in many ways before the seal: a renamed tensor in a
+            # damaged snapshot header, a garbage step counter torch refuses, a digest that
+            # differs. Fold again with every check, so a damaged snapshot is named and
+            # passed over for an older one, and a damaged record is named; or the version,
+            # the tensor and both torch builds of a step that predicts differently.
             first, (start, passed) = start, start_at(checked=True)
             state = fold(start, False)
             if _source(start) == _source(first):
-                if not isinstance(exc, BatchedStepsMismatchError):
-                    raise
-                raise BatchedStepsMismatchError(
-                    f"{exc.mismatch}; a fold that checked every step, gradient chunk and "
-                    "snapshot file matched the seal, so the batched optimizer steps diverge "
-                    "from step-by-step ones (a bug: please report it); "
-                    "REWIND_REPLAY_DEFER_STEPS=0 replays without batching",
-                    mismatch=exc.mismatch) from exc
+                if isinstance(exc, BatchedStepsMismatchError):
+                    raise BatchedStepsMismatchError(
+                        f"{exc.mismatch}; a fold that checked every step and gradient chunk "
+                        "(and the snapshot's files) matched the seal, so the batched optimizer "
+                        "steps diverge from step-by-step ones (a bug: please report it); "
+                        "REWIND_REPLAY_DEFER_STEPS=0 replays without batching",
+                        mismatch=exc.mismatch) from exc
+                # The checked fold passed the seal: its state stands, but say what the
+                # first one met (a file that changed between the reads, or a bug).
+                _log.warning("run %r: a batched replay of %s failed (%s), a fold with every "
+                             "check from the same start matched the seal", log.run_id,
+                             _source(start), exc)
     c = state.counts
     report = ReplayReport(
         run_id=state.run_id, target=str(target), version=state.version, step=state.step,

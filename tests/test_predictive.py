@@ -264,7 +264,7 @@ def test_batched_steps_that_diverge_alone_are_reported_as_such(
         replay(address, Target())
     msg = str(info.value)
     assert "rebuilt to version 3 has digest" in msg
-    assert "a fold that checked every step, gradient chunk and snapshot file matched the seal" in msg
+    assert "a fold that checked every step and gradient chunk (and the snapshot's files) matched the seal" in msg
     assert "to name" not in msg  # no advice to look for a damaged chunk
 
 
