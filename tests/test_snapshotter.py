@@ -148,13 +148,7 @@ def test_a_snapshot_whose_bits_do_not_rebuild_its_seal_is_passed_over(
     passed over, and the replay falls back to the older snapshot plus a longer tail."""
     from snapshotter import store as store_module
 
-    trainer = Trainer(run)
-    ids = []
-    with _snapshotter(run) as snap:
-        for _ in range(2):
-            trainer.train(3)
-            ids.append(snap.snapshot(force=True).snapshot_id)  # type: ignore[union-attr]
-    trainer.train(2)
+    trainer, ids = _two_snapshots_and_a_tail(run)
     parse = store_module.load_shard_file
 
     def misparse(data: object, shard: int, where: str) -> dict:
@@ -172,6 +166,18 @@ def test_a_snapshot_whose_bits_do_not_rebuild_its_seal_is_passed_over(
     assert "shard 1 does not rebuild the sealed state of version 6" in reasons[ids[1]]
     assert report.snapshot is not None and ids[0] in report.snapshot  # type: ignore[attr-defined]
     trainer.rec.close()
+
+
+def _two_snapshots_and_a_tail(run: RunAddress) -> tuple[Trainer, list[str]]:
+    """A trainer with snapshots of versions 3 and 6, and two versions after them."""
+    trainer = Trainer(run)
+    ids = []
+    with _snapshotter(run) as snap:
+        for _ in range(2):
+            trainer.train(3)
+            ids.append(snap.snapshot(force=True).snapshot_id)  # type: ignore[union-attr]
+    trainer.train(2)
+    return trainer, ids
 
 
 def _flip(path: Path) -> None:
@@ -336,13 +342,7 @@ def test_a_replay_leaves_snapshot_checks_to_the_seal_and_checks_them_on_a_mismat
     damaged file and passes it over for an older snapshot."""
     from eventlog.apply import ShardState
 
-    trainer = Trainer(run)
-    ids = []
-    with _snapshotter(run) as snap:
-        for _ in range(2):
-            trainer.train(3)
-            ids.append(snap.snapshot(force=True).snapshot_id)  # type: ignore[union-attr]
-    trainer.train(2)
+    trainer, ids = _two_snapshots_and_a_tail(run)
     hashed: list[str] = []
     verified = SnapshotStore._verified
 
