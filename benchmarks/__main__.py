@@ -160,11 +160,12 @@ def table(results: dict[str, Any]) -> Table:
                       _f(r["floor_speedup_2_vs_1"], "x", 2), "", "", "", "")
             t.add_row("", "2 workers' time above the floor: replay / allowed",
                       _f(r["overhead_2_workers_s"], "s"), _f(r["overhead_allowed_2_workers_s"], "s"), "", "",
-                      "allowed: 1.5 x load - floor")
+                      f"allowed: {RECOVERY_LIMIT} x load - floor")
             ceiling = r["max_speedup_2_vs_1_within_recovery_target"]
             speedup_limit = next(limit for key, *_, limit, _text in TARGETS if key == "replay_speedup_2_vs_1")
-            t.add_row("", "most 2 vs 1 with 2 workers <= 1.5 x load (estimate)", _f(ceiling, "x", 2), "", "", "",
-                      "the floor misses 1.5 x load" if ceiling is None
+            t.add_row("", f"most 2 vs 1 with 2 workers <= {RECOVERY_LIMIT} x load (estimate)",
+                      _f(ceiling, "x", 2), "", "", "",
+                      f"the floor misses {RECOVERY_LIMIT} x load" if ceiling is None
                       else "both targets at once" if ceiling >= speedup_limit else "not both targets at once")
         if r.get("bus_speedup_2_vs_1") is not None:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),

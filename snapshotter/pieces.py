@@ -22,6 +22,12 @@ from eventlog.sharing import WorkBoard
 PIECE = 32 * 1024 * 1024
 
 
+def digest_hex(data: bytes | memoryview | np.ndarray) -> str:
+    """xxh3-128 of bytes, hex: a snapshot file's checksum (``_InOrderHash`` is its
+    streaming form)."""
+    return xxhash.xxh3_128_hexdigest(data)  # type: ignore[arg-type]
+
+
 def read_and_hash(fd: int, buf: np.ndarray, board: WorkBoard | None,
                   hashed: bool = True) -> tuple[int, str | None]:
     """Fill ``buf`` from the start of file ``fd``; returns the bytes read (fewer than
@@ -30,7 +36,7 @@ def read_and_hash(fd: int, buf: np.ndarray, board: WorkBoard | None,
     size, piece_bytes = len(buf), PIECE
     if board is None or size <= piece_bytes:
         got = _pread_full(fd, buf, 0)
-        return got, xxhash.xxh3_128_hexdigest(buf) if hashed else None  # type: ignore[arg-type]
+        return got, digest_hex(buf) if hashed else None
     starts = range(0, size, piece_bytes)
     got = dict.fromkeys(starts, 0)
     digest = _InOrderHash(buf, piece_bytes) if hashed else None
@@ -57,14 +63,14 @@ def _pread_full(fd: int, view: np.ndarray, offset: int) -> int:
 
 
 class _InOrderHash:
-    """xxh3-128 of a buffer whose ``piece``-byte pieces are filled in any order, on any
+    """``digest_hex`` of a buffer whose ``piece``-byte pieces are filled in any order, on any
     thread: each piece is hashed once every piece before it is, by the thread that
     completes that run of pieces (the others go on with their work)."""
 
     def __init__(self, buf: np.ndarray, piece: int) -> None:
         self._buf = buf
         self._piece = piece
-        self._hash = xxhash.xxh3_128()
+        self._hash = xxhash.xxh3_128()  # the streaming form of ``digest_hex``
         self._lock = threading.Lock()
         self._filled: set[int] = set()
         self._next = 0

@@ -23,7 +23,6 @@ import msgpack
 import numpy as np
 import safetensors.torch
 import torch
-import xxhash
 
 from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto, knobs
 from eventlog.apply import ShardState, TensorBits
@@ -32,7 +31,7 @@ from eventlog.fold import SmallStates
 from eventlog.sharing import WorkBoard, map_shared
 from eventlog.tensorcodec import itemsize, nbytes_of, torch_dtype
 
-from .pieces import read_and_hash
+from .pieces import digest_hex, read_and_hash
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -134,11 +133,6 @@ _FIELDS: dict[str, Any] = {
         _text(k) and type(x) in (int, float) for k, x in v.items()),
     "key_id": lambda v: v is None or _text(v),
 }
-
-
-def digest_hex(data: bytes | memoryview | np.ndarray) -> str:
-    """xxh3-128 of bytes, hex."""
-    return xxhash.xxh3_128_hexdigest(data)  # type: ignore[arg-type]
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
