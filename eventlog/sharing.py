@@ -33,7 +33,7 @@ def map_shared(workers: int, items: Sequence[T], fn: Callable[[T, WorkBoard | No
     if workers <= 1 or n <= 1:
         with ThreadPoolExecutor(1) as pool:
             return list(pool.map(lambda item: fn(item, None), items))
-    board = WorkBoard(participants=n)
+    board = WorkBoard(participants=n, threads=min(workers, n))
     results: list[R | None] = [None] * n
     errors: dict[int, BaseException] = {}
     claims = itertools.count()  # items are taken in order, each by one worker
@@ -74,9 +74,11 @@ class _Job(Generic[T]):
 class WorkBoard:
     """Batches of units posted by workers, for idle workers to take a share of."""
 
-    def __init__(self, participants: int = 0) -> None:
+    def __init__(self, participants: int = 0, threads: int = 1) -> None:
         """``participants``: how many workers may still post work; a helper waits for
-        each to ``leave`` before it stops looking for units."""
+        each to ``leave`` before it stops looking for units. ``threads``: how many run
+        units at once (a poster sizes its units by it: ``eventlog.deferred``)."""
+        self.threads = max(1, threads)
         self._cond = threading.Condition()
         self._jobs: list[_Job[Any]] = []
         self._active = participants

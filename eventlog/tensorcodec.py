@@ -274,6 +274,12 @@ def decode_bits_into(delta: TensorDelta, out: np.ndarray, where: str, *, verify:
         _check_digest(delta, out, where)
 
 
+def is_raw(delta: TensorDelta) -> bool:
+    """Whether ``raw_bits`` serves the chunk's bits as a view of its payload: a ``FULL`` or
+    ``GRAD`` chunk stored uncompressed."""
+    return delta.compression == "none" and delta.encoding in _BITS
+
+
 def raw_bits(delta: TensorDelta, where: str, *, verify: bool = True) -> np.ndarray | None:
     """A ``FULL`` or ``GRAD`` chunk (already passed ``check_chunk``) stored uncompressed:
     its bits as a read-only view of the payload, digest checked (see ``verify``); ``None``
@@ -283,7 +289,7 @@ def raw_bits(delta: TensorDelta, where: str, *, verify: bool = True) -> np.ndarr
     ``verify=False`` skips the digest, for a caller whose result is checked against a seal
     before anyone sees it (a batched replay, ``eventlog.deferred``): the length is still
     checked, and any bits are valid numbers."""
-    if delta.compression != "none" or delta.encoding not in _BITS:
+    if not is_raw(delta):
         return None
     plain = _raw(delta, where)
     if verify:

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from eventlog import Recorder, RunAddress, Target, knobs, serde
+from eventlog import deferred as deferred_module
 from eventlog.deferred import DeferredSteps
 from eventlog.embedded import path_from_url
 from eventlog.errors import BatchedStepsMismatchError, CorruptMessageError, DigestMismatchError
@@ -400,6 +401,44 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
         inline_segments(path_from_url(address.log_url))
     live.assert_every_version_replays_exactly(address)
     assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
+
+
+@pytest.mark.parametrize(("kind", "compression", "cut"), [
+    ("adam", "none", True), ("adam-fused", "none", True),
+    ("adam", "blosc2-lz4", False), ("sgd-nesterov", "none", False)])
+def test_two_workers_cut_gradient_chunks_read_in_place_into_parts(
+    address: RunAddress, kind: str, compression: str, cut: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two replay workers give each unit half the tile budget, so that both units' working
+    sets stay cached. A gradient chunk read in place (uncompressed, by an optimizer that
+    only reads it) is then cut into parts, one tile each; one decompressed or copied stays
+    whole, and so does every chunk of a fold that checks each chunk's digest. Every
+    version still replays bit for bit."""
+    monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
+    live = Live(address, OPTIMIZERS[kind])
+    for _ in range(5):
+        live.train(1)
+    live.rec.close()
+    monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", 8192)  # one 8 KiB chunk: 4 KiB a worker
+    tiles: list[Any] = []
+    run_unit = deferred_module._run_unit
+
+    def spy(unit: list[Any], *rest: Any) -> None:
+        tiles.extend(unit)
+        run_unit(unit, *rest)
+
+    monkeypatch.setattr(deferred_module, "_run_unit", spy)
+    live.assert_every_version_replays_exactly(address)  # 2 workers, chunk digests left to the seal
+    chunk_tiles = [t for t in tiles if not t.whole]
+    assert chunk_tiles
+    if cut:
+        assert max(t.nbytes for t in chunk_tiles) == 4096 and any(t.skip == 4096 for t in chunk_tiles)
+    else:
+        assert max(t.nbytes for t in chunk_tiles) == 8192 and not any(t.skip for t in chunk_tiles)
+    tiles.clear()
+    with address.open_log() as log:
+        rebuild(log, Target(), workers=2)  # checks every gradient chunk's digest
+    assert tiles and not any(t.skip for t in tiles)
 
 
 @pytest.mark.parametrize("compression", ["none", "blosc2-lz4"])
