@@ -5,7 +5,7 @@ the param, its gradient and both moments, and writes three of them back: about s
 passes over the state's memory per version. A tail of K versions run one by one streams
 the state through memory K times, and two replay workers share one memory bus, so a second
 core barely helps. Run tile by tile instead: for each cache-sized tile (one gradient
-chunk), the K steps run back to back while the tile's param, moments and gradient stay in
+chunk, or a part of one when workers share the cache), the K steps run back to back while the tile's param, moments and gradient stay in
 cache. The state then crosses the memory bus once for the whole tail, the work is bound by
 arithmetic, and two cores do it twice as fast.
 
