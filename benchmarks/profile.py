@@ -385,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     raw = work.raw_bytes()
     console.print(f"{work.params / 1e6:.1f}M params, {raw / MB:.0f} MB state, "
                   f"{args.warmup_steps} warm-up steps; load average {os.getloadavg()}")
+    if args.workdir:
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="rewind-prof-", dir=args.workdir))
     try:
         db = f"sqlite://{root / 'rewind.db'}"

@@ -635,6 +635,9 @@ def follower_sync(cfg: Config, address: RunAddress, work: Workload,
 
 # ---------------------------------------------------------------------------- the run
 def workdir(cfg: Config) -> Path:
+    """A fresh directory for the run's files, under ``--workdir`` (created if missing)."""
+    if cfg.workdir:
+        Path(cfg.workdir).mkdir(parents=True, exist_ok=True)
     return Path(tempfile.mkdtemp(prefix="rewind-bench-", dir=cfg.workdir))
 
 
