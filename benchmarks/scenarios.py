@@ -326,9 +326,14 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     # One worker with torch's intra-op threads cut to one: a 1-worker replay otherwise runs
     # each Adam step on every core torch has, so "1 worker" is not "1 core".
     one_thread: list[float] = []
-    # At least 5 interleaved repeats, as for torch.load: on this shared VM one replay can
-    # take 30% longer than the next, and a median of 2 is just their mean.
+    loads: list[float] = []
+    # At least 5 repeats, torch.load interleaved with the replays: on this shared VM one
+    # process can take 30% longer than the next, for minutes (a median of 2 is just their
+    # mean, and loads timed in a block after the replays met another spell than they did).
     for _ in range(repeats):
+        if r.last_checkpoint:
+            loads.append(_timed(["load", r.last_checkpoint])["seconds"])
+            cfg.log(f"  torch.load(weights_only=True): {loads[-1]:.2f} s")
         for workers in (1, 2):
             got = _timed(["replay", *base, str(workers), "latest"])
             times[workers].append(got["seconds"])
@@ -351,11 +356,6 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
                          env={"REWIND_SNAPSHOT_MAP": "0"})
             snap_only.append(got["seconds"])
         cfg.log(f"  replay to the snapshot's version (tail 0, files read), 2 workers: {med(snap_only):.2f} s")
-    loads = []
-    if r.last_checkpoint:
-        for _ in range(max(5, cfg.repeats)):
-            loads.append(_timed(["load", r.last_checkpoint])["seconds"])
-        cfg.log(f"  torch.load(weights_only=True): {med(loads):.2f} s")
     bus = BusScaling()
     bus_speedups = [bus() for _ in range(repeats)]
     del bus
