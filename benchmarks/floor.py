@@ -18,7 +18,8 @@ bare, on the benchmark's own recorded run, with 1 thread and with one thread per
    folding the log with the calls recorded instead of run), passed to torch through the
    replay's own one-call dispatch (``optimstep.run_step``). One thread runs every shard
    with torch's default threads (as a 1-worker replay does); one thread per shard runs
-   with torch's threads shared out among them (as a multi-worker replay does). Every
+   with torch's threads shared out among them, on the tiles such a replay cuts (each
+   chunk's tile in parts of ``REPLAY_TILE_BYTES / threads``: ``_parts``). Every
    variant starts from the snapshot's bits, in memory already touched, with the gradients
    copied out of the log beforehand.
 3. ``measure_steps``, checks: one xxh3 pass over each shard's state, the shard digest
@@ -42,9 +43,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from eventlog import RunAddress, Target, optimstep
+from eventlog import RunAddress, Target, knobs, optimstep
 from eventlog.apply import ShardState
-from eventlog.deferred import DeferredSteps
+from eventlog.deferred import READS_GRADS_ONLY, DeferredSteps
 from eventlog.fold import ControlIndex, FoldStart, fold_shard, index_control
 from eventlog.ports import EventLog
 from snapshotter.catalog import markers, newest_valid
@@ -78,8 +79,9 @@ def measure_steps(address: RunAddress, repeats: int) -> dict[str, Any]:
     if snapshot_id is None:
         raise SystemExit(f"cannot tell which snapshot {start.source!r} is")
     files = sorted(store.directory(address.run_id, snapshot_id).glob("shard-*.safetensors"))
-    counters = [(s, s.clone()) for c in calls for call in c for st in call[4] for s in st.values()
-                if s.numel() == 1]
+    parted = [_parts(c, knobs.REPLAY_TILE_BYTES // len(calls)) for c in calls]
+    counters = [(s, s.clone()) for plan in (calls, parted) for c in plan for call in c
+                for st in call[4] for s in st.values() if s.numel() == 1]
 
     def reset() -> None:
         for b, p in zip(state, pristine, strict=True):
@@ -92,7 +94,7 @@ def measure_steps(address: RunAddress, repeats: int) -> dict[str, Any]:
     for i in range(repeats):
         for threads in (1, 2) if i % 2 == 0 else (2, 1):  # neither always meets a warmer cache
             reset()
-            timings[f"steps_{threads}"].append(_steps(calls, threads == 2))
+            timings[f"steps_{threads}"].append(_steps(parted if threads == 2 else calls, threads == 2))
             timings[f"checks_{threads}"].append(_checks(start.shards, layout, threads == 2))
     out: dict[str, Any] = {k: statistics.median(v) for k, v in timings.items()}
     out.update({"tail_versions": version - start.version, "calls_per_shard": [len(c) for c in calls],
@@ -137,6 +139,48 @@ def _capture(log: EventLog, idx: ControlIndex, version: int, start: FoldStart) -
         optimstep.run_step = real
         DeferredSteps.run = run  # type: ignore[method-assign]
     return calls
+
+
+def _parts(calls: list[Call], part_bytes: int) -> list[Call]:
+    """One shard's calls as workers sharing the cache make them (``eventlog.deferred``):
+    each single-tile call whose gradient exceeds ``part_bytes`` cut into parts, every part
+    running the tile's steps in order before the next part starts, on its own copy of the
+    step counter. Views of the same tensors: no memory is copied."""
+    out: list[Call] = []
+    group: list[Call] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        first = group[0]
+        g = first[3][0] if len(first[2]) == 1 else None
+        if g is None or first[0] not in READS_GRADS_ONLY or g.dim() != 1 \
+                or g.numel() * g.element_size() <= part_bytes:
+            out.extend(group)
+        else:
+            n = max(1, part_bytes // g.element_size())
+            for at in range(0, g.numel(), n):
+                counters: dict[int, torch.Tensor] = {}
+                out.extend((o, h, [_cut(p, at, n, counters) for p in ps], [_cut(x, at, n, counters) for x in gs],
+                            [{k: _cut(v, at, n, counters) for k, v in st.items()} for st in sts], gr)
+                           for o, h, ps, gs, sts, gr in group)
+        group.clear()
+
+    for call in calls:  # a tile's calls are consecutive, on the same param view
+        if group and call[2] and group[0][2] and call[2][0] is not group[0][2][0]:
+            flush()
+        group.append(call)
+    flush()
+    return out
+
+
+def _cut(t: torch.Tensor, at: int, n: int, counters: dict[int, torch.Tensor]) -> torch.Tensor:
+    """Elements ``[at, at + n)`` of a tile's tensor; for its step counter, the part's own copy."""
+    if t.numel() == 1:
+        if id(t) not in counters:
+            counters[id(t)] = t.clone()
+        return counters[id(t)]
+    return t[at:at + n]
 
 
 def read_files(files: list[str], per_file: bool) -> float:

@@ -52,7 +52,7 @@ from .sharing import WorkBoard
 #: handed over as read-only views of the message. SGD gets a copy in the tile buffer: its
 #: foreach nesterov path adds the momentum into the gradient. (The recorder logs such a
 #: step as XOR deltas, as it sees the gradients change, but the replaying torch may differ.)
-_READS_GRADS_ONLY = frozenset({"Adam", "AdamW"})
+READS_GRADS_ONLY = frozenset({"Adam", "AdamW"})
 
 
 def _consume_readonly_warning() -> None:
@@ -261,7 +261,7 @@ def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
 def _in_place(steps: list[PendingStep], name: str) -> bool:
     """Whether every step that updates param ``name`` reads its gradient chunks in place
     (``_decode``'s view): only a part of such a chunk can be a tile of its own."""
-    return all(step.body.optimizer in _READS_GRADS_ONLY
+    return all(step.body.optimizer in READS_GRADS_ONLY
                and all(tensorcodec.is_raw(delta) for delta, _ in step.grads[name].chunks.values())
                for step in steps if name in step.grads)
 
@@ -326,7 +326,7 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
             continue
         scratch = _scratch(sum(t.nbytes for t in members))
         index = {n: i for i, n in enumerate(step.body.params)}
-        view_ok = step.body.optimizer in _READS_GRADS_ONLY
+        view_ok = step.body.optimizer in READS_GRADS_ONLY
         params, grads, step_states, groups = [], [], [], []
         at = 0
         for tile in members:
