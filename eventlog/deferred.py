@@ -5,15 +5,16 @@ the param, its gradient and both moments, and writes three of them back: about s
 passes over the state's memory per version. A tail of K versions run one by one streams
 the state through memory K times, and two replay workers share one memory bus, so a second
 core barely helps. Run tile by tile instead: for each cache-sized tile (one gradient
-chunk, or a part of one when workers share the cache), the K steps run back to back while the tile's param, moments and gradient stay in
-cache. The state then crosses the memory bus once for the whole tail, the work is bound by
-arithmetic, and two cores do it twice as fast.
+chunk, or a part of one when workers share the cache), the K steps run back to back while
+the tile's param, moments and gradient stay in cache. The state then crosses the memory
+bus once for the whole tail, and the work is bound by arithmetic more than by the bus.
 
 This is exact because every optimizer the replayer supports (Adam, AdamW, SGD) updates each
 element from that element alone: a step run on a slice computes the bits the whole step
-computes there. The one state that is not per element, Adam's ``step`` counter, is counted
-by each tile on its own copy, and the param's counter takes the final count. A state of
-any other shape makes its param one whole-tensor tile.
+computes there, as long as the slice keeps each element in the same loop of torch's kernel
+(``TILE_ALIGN``). The one state that is not per element, Adam's ``step`` counter, is
+counted by each tile on its own copy, and the param's counter takes the final count. A
+state of any other shape makes its param one whole-tensor tile.
 
 Two checks wait for the seal on this path. Each version's predicted-tensor digests are
 not checked: hashing every tensor after every version would stream the state through
@@ -230,9 +231,11 @@ class DeferredSteps:
 def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
            tensors: Mapping[str, TensorBits], part_bytes: int | None) -> list[_Tile]:
     """Every param's tiles: one per gradient chunk, or one whole-tensor tile for a param
-    with a state that is neither per element nor a single value. With ``part_bytes``, a
-    chunk that every step reads in place (see ``_in_place``) is cut into parts of at most
-    that many bytes (and at least one element)."""
+    with a state that is neither per element nor a single value, or whose chunks do not
+    start on multiples of ``TILE_ALIGN`` (a log recorded with an odd ``chunk_bytes``: a
+    tile starting there would move elements between torch's vector and scalar loops).
+    With ``part_bytes``, a chunk that every step reads in place (see ``_in_place``) is cut
+    into parts of about that many bytes, a multiple of ``TILE_ALIGN``."""
     out: list[_Tile] = []
     seen: set[str] = set()
     for step, owned in zip(steps, states, strict=True):
@@ -245,17 +248,26 @@ def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
             size = tensorcodec.itemsize(param.dtype)
             per_element = all(_numel(tensors[n]) in (numel, 1)
                               for o in states for n in o.get(name, {}).values())
-            if not per_element or numel == 0:
+            on_grid = all(off % TILE_ALIGN == 0 for off, _ in grad.grid())
+            if not per_element or numel == 0 or not on_grid:
                 out.append(_Tile(name, 0, numel, tuple(range(grad.count)), True, numel * size))
                 continue
             cut = part_bytes is not None and _in_place(steps, name)
-            part = max(size, (part_bytes or 0) // size * size)
+            part = max(TILE_ALIGN, (part_bytes or 0) // TILE_ALIGN * TILE_ALIGN)
             for i, (off, n) in enumerate(grad.grid()):
                 for skip in range(0, n, part) if cut and n > part else (0,):
                     m = min(part, n - skip) if cut else n
                     first = (off + skip) // size
                     out.append(_Tile(name, first, first + m // size, (i,), False, m, skip))
     return out
+
+
+#: Tiles start and end on multiples of this many bytes from their tensor's start. torch's
+#: fused CPU Adam shares a call's elements among its threads in 64-byte cache lines, and
+#: runs each range's elements past its last whole vector through a scalar loop whose bits
+#: differ from the vector loop's: a tile boundary off that grid would move elements from
+#: one loop to the other, and the replay would miss the seal.
+TILE_ALIGN = 64
 
 
 def _in_place(steps: list[PendingStep], name: str) -> bool:
