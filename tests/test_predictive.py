@@ -403,6 +403,19 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
     assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
 
 
+def _tiles_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Every tile that batched replays run from now on, in the order they run."""
+    tiles: list[Any] = []
+    run_unit = deferred_module._run_unit
+
+    def spy(unit: list[Any], *rest: Any) -> None:
+        tiles.extend(unit)
+        run_unit(unit, *rest)
+
+    monkeypatch.setattr(deferred_module, "_run_unit", spy)
+    return tiles
+
+
 @pytest.mark.parametrize(("kind", "compression", "tile_bytes", "part"), [
     ("adam", "none", 8192, 4096),
     # 500 bytes a worker, rounded down to 448: a part of 125 floats would move elements
@@ -424,14 +437,7 @@ def test_two_workers_cut_gradient_chunks_read_in_place_into_parts(
         live.train(1)
     live.rec.close()
     monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", tile_bytes)  # chunks are 8 KiB
-    tiles: list[Any] = []
-    run_unit = deferred_module._run_unit
-
-    def spy(unit: list[Any], *rest: Any) -> None:
-        tiles.extend(unit)
-        run_unit(unit, *rest)
-
-    monkeypatch.setattr(deferred_module, "_run_unit", spy)
+    tiles = _tiles_run(monkeypatch)
     live.assert_every_version_replays_exactly(address)  # 2 workers, chunk digests left to the seal
     chunk_tiles = [t for t in tiles if not t.whole]
     assert chunk_tiles
@@ -457,14 +463,7 @@ def test_chunks_off_the_vector_grid_replay_as_whole_tensors(
     for _ in range(4):
         live.train(1)
     live.rec.close()
-    tiles: list[Any] = []
-    run_unit = deferred_module._run_unit
-
-    def spy(unit: list[Any], *rest: Any) -> None:
-        tiles.extend(unit)
-        run_unit(unit, *rest)
-
-    monkeypatch.setattr(deferred_module, "_run_unit", spy)
+    tiles = _tiles_run(monkeypatch)
     live.assert_every_version_replays_exactly(address)
     assert any(t.whole and len(t.chunks) > 1 for t in tiles)  # the 32 KiB weight, in 4 chunks
 
