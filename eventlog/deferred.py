@@ -56,6 +56,14 @@ from .sharing import WorkBoard
 READS_GRADS_ONLY = frozenset({"Adam", "AdamW"})
 
 
+#: Tiles start and end on multiples of this many bytes from their tensor's start. torch's
+#: fused CPU Adam shares a call's elements among its threads in 64-byte cache lines, and
+#: runs each range's elements past its last whole vector through a scalar loop whose bits
+#: differ from the vector loop's: a tile boundary off that grid would move elements from
+#: one loop to the other, and the replay would miss the seal.
+TILE_ALIGN = 64
+
+
 def _consume_readonly_warning() -> None:
     """torch warns once per process, from one place, that it cannot make a tensor over
     read-only memory read-only. The gradient views above are only read, so that warning
@@ -255,19 +263,15 @@ def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
             cut = part_bytes is not None and _in_place(steps, name)
             part = max(TILE_ALIGN, (part_bytes or 0) // TILE_ALIGN * TILE_ALIGN)
             for i, (off, n) in enumerate(grad.grid()):
-                for skip in range(0, n, part) if cut and n > part else (0,):
-                    m = min(part, n - skip) if cut else n
+                for skip, m in _cuts(n, part if cut else n):
                     first = (off + skip) // size
                     out.append(_Tile(name, first, first + m // size, (i,), False, m, skip))
     return out
 
 
-#: Tiles start and end on multiples of this many bytes from their tensor's start. torch's
-#: fused CPU Adam shares a call's elements among its threads in 64-byte cache lines, and
-#: runs each range's elements past its last whole vector through a scalar loop whose bits
-#: differ from the vector loop's: a tile boundary off that grid would move elements from
-#: one loop to the other, and the replay would miss the seal.
-TILE_ALIGN = 64
+def _cuts(n: int, width: int) -> list[tuple[int, int]]:
+    """``(skip, length)`` of each part of an ``n``-byte chunk cut every ``width`` bytes."""
+    return [(0, n)] if n <= width else [(at, min(width, n - at)) for at in range(0, n, width)]
 
 
 def _in_place(steps: list[PendingStep], name: str) -> bool:
