@@ -116,9 +116,12 @@ def load_start(
     if marker.end is None:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id} has no end marker (orphan)")
 
+    layouts: list[RunStarted] = []  # the manifest's, decoded once by the checker
+
     def checker(manifest: Manifest) -> ShardCheck:
         """The manifest's own checks, before any shard file is read; then each shard's."""
         layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
+        layouts.append(layout)
         if manifest.version != marker.version:
             raise SnapshotCorruptError(
                 f"snapshot {marker.snapshot_id}: manifest says version {manifest.version}, "
@@ -150,7 +153,7 @@ def load_start(
         manifest, shards, small = store.load(log.run_id, marker.snapshot_id,
                                              marker.end.manifest_digest, workers=workers,
                                              mapped=mapped, checker=checker, checked=checked)
-    layout = decode_layout(manifest.layout, f"snapshot {marker.snapshot_id}")
+    layout = layouts[0]
     if small_digest(small.states).hex() != manifest.small_digest:
         raise SnapshotCorruptError(f"snapshot {marker.snapshot_id}: small states do not match")
     small.next_offset = manifest.next_offsets[0]
