@@ -692,8 +692,10 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                snapshot_at=(1 + versions - tail) if need_snapshot else None,
                label="embedded", recording=rec)
         meta["recording_s"] = time.perf_counter() - t0
-        meta["log_file_bytes"] = sum(p.stat().st_size for p in d.glob("rewind.db*") if p.is_file()) \
-            + sum(p.stat().st_size for p in d.glob("rewind.db.segments/*/*.seg"))
+        # Disk blocks, not file sizes: a segment file leaves a hole before each payload it
+        # puts on a 2 MiB boundary (eventlog/segments.py), which no block backs.
+        files = [p for p in d.glob("rewind.db*") if p.is_file()] + list(d.glob("rewind.db.segments/*/*.seg"))
+        meta["log_file_bytes"] = sum(p.stat().st_blocks * 512 for p in files)
         # The checkpoint torch.load reads: the newest version's state, written in this run.
         rec.last_checkpoint = str(root / "checkpoint.pt")
         save_checkpoint(work, rec.last_checkpoint, fsync=True)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eventlog import CorruptStoreError, TruncatedHistoryError, knobs, serde
+from eventlog import CorruptStoreError, TruncatedHistoryError, knobs, segments, serde
 from eventlog import tensorcodec as tc
 from eventlog.embedded import EmbeddedLog
 from eventlog.events import Envelope, TensorDelta
@@ -87,6 +87,28 @@ def test_a_chunk_lives_in_a_segment_file_and_is_read_as_an_aligned_view(tmp_path
         payload = d.value.body.payload
         assert isinstance(payload, memoryview) and payload.readonly
         assert np.frombuffer(payload, np.uint8).ctypes.data % 64 == 0
+    log.close()
+
+
+def test_a_payload_of_a_huge_page_or_more_starts_on_a_huge_page_of_its_file(tmp_path: Path) -> None:
+    """Payloads of 2 MiB or more start on a 2 MiB boundary of the file (so the kernel can
+    keep and map their page cache a huge page at a time); smaller ones on 64 bytes, packed
+    after them. The gap before a big payload is never written, and every read is exact."""
+    db = tmp_path / "h.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    big = segments.HUGE_ALIGN
+    payloads = [_payload(0, 40_000), _payload(1, big), _payload(2, big + 4096), _payload(3, 4000),
+                _payload(4, big - 64)]
+    _append(log, payloads)
+    rows = sqlite3.connect(db).execute(
+        "SELECT pos, bulk, length FROM extents WHERE partition=0 ORDER BY offset").fetchall()
+    starts = [pos + bulk for pos, bulk, _ in rows]
+    assert [s % big == 0 for s in starts] == [False, True, True, False, False]
+    assert all(s % segments.ALIGN == 0 for s in starts)
+    # The small payload after a big one is packed behind it, not pushed to the next 2 MiB.
+    assert rows[3][0] < rows[2][0] + rows[2][2] + segments.ALIGN
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == payloads
     log.close()
 
 
