@@ -13,6 +13,7 @@ checkpoint. Every figure is a median over versions (commit scenarios) or repeats
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import inspect
@@ -296,6 +297,28 @@ def _timed(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _give_back_freed_memory() -> tuple[int, int]:
+    """Return the heap memory this process freed (the recording's staging buffers, the
+    replayed state) to the kernel, so that the processes timed next meet the memory a
+    recovery job would, not this one's leftovers: glibc keeps freed heap pages, and the
+    recording left about 4 GB of them here. Returns resident bytes before and after
+    (both 0 where /proc is missing)."""
+    try:
+        before = _resident_bytes()
+    except OSError:
+        return 0, 0
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    return before, _resident_bytes()
+
+
 def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> dict[str, Any]:
     """Replay (1 and 2 workers) and ``torch.load``, each timed in a fresh process as after a
     crash; the replayed bits are checked against the live state once, in this process."""
@@ -307,6 +330,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     gc.collect()
     cfg.log(f"  replayed state is bit-identical to the live state (v{report.version}: "
             f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
+    before, after = _give_back_freed_memory()
+    cfg.log(f"  this process: {before / MB:.0f} MB resident, {after / MB:.0f} MB after giving "
+            "back what it freed")
     base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
     # The floor (``benchmarks.floor``): the tail's optimizer steps and the state's checks
     # alone, bare, in one fresh process; then (in the loop below, interleaved with the
