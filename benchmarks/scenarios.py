@@ -302,21 +302,21 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _give_back_freed_memory() -> tuple[int, int]:
-    """Return the heap memory this process freed (the recording's staging buffers, the
-    replayed state) to the kernel, so that the processes timed next meet the memory a
-    recovery job would, not this one's leftovers: glibc keeps freed heap pages, and the
-    recording left about 4 GB of them here. Returns resident bytes before and after
-    (both 0 where /proc is missing)."""
+def _give_back_freed_memory(cfg: Config, what: str) -> None:
+    """Return the heap memory this process freed to the kernel, so that the work timed
+    next meets the memory a fresh process would, not this one's leftovers: glibc kept
+    about 4 GB of the recording's freed staging buffers here (6.6 GB resident, 2.4 GB
+    after), and with them the floor's first process ran the machine down to 0.2 GB free
+    and evicted page cache before the replays were timed. Logs the resident size before
+    and after."""
     try:
         before = _resident_bytes()
-    except OSError:
-        return 0, 0
-    try:
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-    return before, _resident_bytes()
+        after = _resident_bytes()
+    except (OSError, AttributeError):  # no /proc, or not glibc
+        return
+    cfg.log(f"  this process: {before / MB:.0f} MB resident, {after / MB:.0f} MB after giving "
+            f"back what {what} freed")
 
 
 def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> dict[str, Any]:
@@ -330,9 +330,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     gc.collect()
     cfg.log(f"  replayed state is bit-identical to the live state (v{report.version}: "
             f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
-    before, after = _give_back_freed_memory()
-    cfg.log(f"  this process: {before / MB:.0f} MB resident, {after / MB:.0f} MB after giving "
-            "back what it freed")
+    _give_back_freed_memory(cfg, "the recording and the replay")
     base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
     # The floor (``benchmarks.floor``): the tail's optimizer steps and the state's checks
     # alone, bare, in one fresh process; then (in the loop below, interleaved with the
