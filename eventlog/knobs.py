@@ -52,7 +52,8 @@ REPLAY_TORCH_THREADS = _int("REPLAY_TORCH_THREADS", 1)
 #: log, in segment files read through memory maps (``eventlog.segments``); smaller ones
 #: stay in SQLite. 0: every tensor chunk.
 EMBEDDED_SEGMENT_MIN_BYTES = _int("EMBEDDED_SEGMENT_MIN_BYTES", 0)
-#: Size at which the embedded log starts a new segment file for a partition.
+#: Size at which the embedded log starts a new segment file for a partition (a file holds
+#: at least one message, whatever its size).
 EMBEDDED_SEGMENT_BYTES = _int("EMBEDDED_SEGMENT_BYTES", 1024**3)
 #: Whether a replay to a snapshot's own version maps the snapshot's files (1) instead of
 #: reading them into fresh memory (0), as a replay with a tail always does.
@@ -65,7 +66,8 @@ REPLAY_DEFER_STEPS = _int("REPLAY_DEFER_STEPS", 1)
 REPLAY_DEFER_BYTES = _int("REPLAY_DEFER_BYTES", 256 * 1024**2)
 #: Bytes of mapped segment-file views a shard's fold may hold for batched steps. They hold no
 #: memory, but each file they lie in stays mapped and open until the batch runs: 16 GiB is
-#: about 17 files of 1 GiB per shard, far from any limit on open files.
+#: about 25 files of 1 GiB per shard (a 4 MiB chunk takes 6 MiB of file, see
+#: ``segments``), far from any limit on open files.
 REPLAY_DEFER_MAPPED_BYTES = _int("REPLAY_DEFER_MAPPED_BYTES", 16 * 1024**3)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).

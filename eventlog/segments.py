@@ -16,15 +16,17 @@ truncates one.
 
 Each message is placed so that its bulk field (the payload, ``bulk_at`` bytes in) starts on
 a 64-byte boundary, where vector loads of its elements run at full speed; and a message
-whose bulk field (with what follows it) is 2 MiB or more, so that the field starts on a
-2 MiB boundary (``HUGE_ALIGN``). Linux (6.x, on file systems with large folios, such as
-ext4 and XFS) then keeps each whole 2 MiB of the payload in one page cache folio, when it
-finds a free 2 MiB block as the bytes are written, and a map of the file maps such a folio
-with one page fault, where 4 KiB pages take one fault per 16 (fault-around). A replay
-reads gigabytes of gradients through maps: touching 1 GB of them took 0.05-0.065 s in
-4 KiB pages and 0.006 s in 2 MiB folios on the benchmark's VM. The gap before such a
-payload is never written, so it stays a hole in the file: it costs file size (address
-space), not disk blocks.
+whose bulk field and the few bytes after it come to 2 MiB or more (a 4 MiB tensor chunk),
+so that the field starts on a 2 MiB boundary (``HUGE_ALIGN``). Linux, on file systems with
+large folios (XFS; ext4 since 6.16), then keeps each whole 2 MiB of the payload in one
+page cache folio, when it finds a free 2 MiB block as the bytes are written, and a map of
+the file maps such a folio with one page fault, where 4 KiB pages take one fault per 16
+(fault-around). A replay reads gigabytes of gradients through maps: touching 1 GB of them
+took 0.05-0.065 s in 4 KiB pages and 0.006 s in 2 MiB folios on the benchmark's VM. The
+gap before such a payload is never written, so it is a hole where the file system has
+them: it costs file size (address space), not disk blocks; a 4 MiB chunk takes 6 MiB of
+file. A copy that does not keep holes (``cp --sparse=never``, ``rsync`` without ``-S``)
+makes the gaps real.
 """
 
 from __future__ import annotations
@@ -91,13 +93,12 @@ class Appender:
         align = HUGE_ALIGN if len(value) - bulk_at >= HUGE_ALIGN else ALIGN
         name = current
         if name is not None:
-            size = self._size(name, existing=True)
-            if size + len(value) + align > self._roll:
+            pos = _place(self._size(name, existing=True), bulk_at, align)
+            if pos + len(value) > self._roll:
                 name = None
-        if name is None:
+        if name is None:  # a new file takes the message whatever its size (and gap)
             name = file_name(partition, offset)
-            size = self._size(name, existing=False)
-        pos = size + (-(size + bulk_at) % align)
+            pos = _place(self._size(name, existing=False), bulk_at, align)
         self._write(name, value, pos)
         return name, pos
 
@@ -159,6 +160,12 @@ class Appender:
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
+
+
+def _place(size: int, bulk_at: int, align: int) -> int:
+    """The first position at or after ``size`` where a message's bulk field, ``bulk_at``
+    bytes in, starts on an ``align`` boundary."""
+    return size + (-(size + bulk_at) % align)
 
 
 def _make_dirs(root: Path) -> None:

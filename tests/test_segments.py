@@ -112,6 +112,45 @@ def test_a_payload_of_a_huge_page_or_more_starts_on_a_huge_page_of_its_file(tmp_
     log.close()
 
 
+def test_the_huge_page_placement_starts_at_a_bulk_field_of_exactly_2_mib(tmp_path: Path) -> None:
+    """The threshold counts the bulk field and the bytes after it (here the envelope's
+    one-byte empty key id): exactly 2 MiB is placed on a 2 MiB boundary, one byte less is not."""
+    db = tmp_path / "x.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    big = segments.HUGE_ALIGN
+    payloads = [_payload(0, 1000), _payload(1, big - 2), _payload(2, 1000), _payload(3, big - 1)]
+    data, at = serde.encode.with_bulk(_envelope(payloads[3]))
+    assert at is not None and len(data) - at == big
+    _append(log, payloads)
+    starts = [pos + bulk for pos, bulk in sqlite3.connect(db).execute(
+        "SELECT pos, bulk FROM extents WHERE partition=0 ORDER BY offset")]
+    assert [s % big == 0 for s in starts] == [False, False, False, True]
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == payloads
+    log.close()
+
+
+@pytest.mark.parametrize(("roll_mib", "per_file"), [(9, 1), (13, 2)])
+def test_a_segment_file_stays_within_its_roll_size_with_the_gaps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, roll_mib: int, per_file: int) -> None:
+    """A 4 MiB chunk takes 6 MiB of file (its gap, then itself): a file rolls before a
+    message would end past the roll size, and a truncation still frees whole files."""
+    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", roll_mib * 1024 * 1024)
+    db = tmp_path / "r.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    payloads = [_payload(i, 4 * 1024 * 1024) for i in range(4)]
+    _append(log, payloads)
+    files = sorted(Path(f"{db}.segments").rglob("*.seg"))
+    assert len(files) == 4 // per_file
+    assert all(f.stat().st_size <= roll_mib * 1024 * 1024 for f in files)
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == payloads
+    log.truncate_before(0, 2)
+    assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == payloads[2:]
+    assert len(sorted(Path(f"{db}.segments").rglob("*.seg"))) == len(files) - 2 // per_file
+    log.close()
+
+
 def test_a_writer_killed_mid_transaction_leaves_the_committed_records_whole(tmp_path: Path) -> None:
     """A real process, SIGKILLed after its chunk reached the segment file but before the
     commit: the next writer appends after the orphan bytes, and no reader ever sees them."""
