@@ -45,7 +45,7 @@ import torch
 
 from eventlog import RunAddress, Target, knobs, optimstep
 from eventlog.apply import ShardState
-from eventlog.deferred import READS_GRADS_ONLY, TILE_ALIGN, DeferredSteps
+from eventlog.deferred import READS_GRADS_ONLY, DeferredSteps, part_cuts
 from eventlog.fold import ControlIndex, FoldStart, fold_shard, index_control
 from eventlog.ports import EventLog
 from snapshotter.catalog import markers, newest_valid
@@ -143,7 +143,8 @@ def _capture(log: EventLog, idx: ControlIndex, version: int, start: FoldStart) -
 
 def _parts(calls: list[Call], part_bytes: int) -> list[Call]:
     """One shard's calls as workers sharing the cache make them (``eventlog.deferred``):
-    each single-tile call whose gradient exceeds ``part_bytes`` cut into parts, every part
+    each single-tile call whose gradient exceeds ``part_bytes`` cut into parts
+    (``eventlog.deferred.part_cuts``, the replay's own rule), every part
     running the tile's steps in order before the next part starts, on its own copy of the
     step counter. Views of the same tensors: no memory is copied. (It assumes what the
     benchmark's log holds: uncompressed gradients, which the replay reads in place.)"""
@@ -155,13 +156,15 @@ def _parts(calls: list[Call], part_bytes: int) -> list[Call]:
             return
         first = group[0]
         g = first[3][0] if len(first[2]) == 1 else None
-        aligned = max(TILE_ALIGN, part_bytes // TILE_ALIGN * TILE_ALIGN)
-        if g is None or first[0] not in READS_GRADS_ONLY or g.dim() != 1 \
-                or g.numel() * g.element_size() <= aligned:
+        cuts: list[tuple[int, int]] = []
+        size = 1
+        if g is not None and first[0] in READS_GRADS_ONLY and g.dim() == 1:
+            size = g.element_size()
+            cuts = part_cuts(g.numel() * size, part_bytes)
+        if len(cuts) <= 1:
             out.extend(group)
         else:
-            n = aligned // g.element_size()
-            for at in range(0, g.numel(), n):
+            for at, n in ((skip // size, m // size) for skip, m in cuts):
                 counters: dict[int, torch.Tensor] = {}
                 out.extend((o, h, [_cut(p, at, n, counters) for p in ps], [_cut(x, at, n, counters) for x in gs],
                             [{k: _cut(v, at, n, counters) for k, v in st.items()} for st in sts], gr)

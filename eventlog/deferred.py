@@ -260,18 +260,22 @@ def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
             if not per_element or numel == 0 or not on_grid:
                 out.append(_Tile(name, 0, numel, tuple(range(grad.count)), True, numel * size))
                 continue
-            cut = part_bytes is not None and _in_place(steps, name)
-            part = max(TILE_ALIGN, (part_bytes or 0) // TILE_ALIGN * TILE_ALIGN)
+            part = part_bytes if part_bytes is not None and _in_place(steps, name) else None
             for i, (off, n) in enumerate(grad.grid()):
-                for skip, m in _cuts(n, part if cut else n):
+                for skip, m in part_cuts(n, part) if part is not None else [(0, n)]:
                     first = (off + skip) // size
                     out.append(_Tile(name, first, first + m // size, (i,), False, m, skip))
     return out
 
 
-def _cuts(n: int, width: int) -> list[tuple[int, int]]:
-    """``(skip, length)`` of each part of an ``n``-byte chunk cut every ``width`` bytes."""
-    return [(0, n)] if n <= width else [(at, min(width, n - at)) for at in range(0, n, width)]
+def part_cuts(nbytes: int, part_bytes: int) -> list[tuple[int, int]]:
+    """``(skip, length)`` of each part of an ``nbytes``-long gradient chunk cut into parts
+    of about ``part_bytes``, rounded to a multiple of ``TILE_ALIGN``; one part if the chunk
+    is no longer. (``benchmarks.floor`` cuts its captured calls by the same rule.)"""
+    width = max(TILE_ALIGN, part_bytes // TILE_ALIGN * TILE_ALIGN)
+    if nbytes <= width:
+        return [(0, nbytes)]
+    return [(at, min(width, nbytes - at)) for at in range(0, nbytes, width)]
 
 
 def _in_place(steps: list[PendingStep], name: str) -> bool:
