@@ -302,7 +302,7 @@ def _resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _give_back_freed_memory(cfg: Config, what: str) -> None:
+def _give_back_freed_memory(cfg: Config) -> None:
     """Return the heap memory this process freed to the kernel, so that the work timed
     next meets the memory a fresh process would, not this one's leftovers: glibc kept
     about 4 GB of the recording's freed staging buffers here (6.6 GB resident, 2.4 GB
@@ -316,7 +316,7 @@ def _give_back_freed_memory(cfg: Config, what: str) -> None:
     except (OSError, AttributeError):  # no /proc, or not glibc
         return
     cfg.log(f"  this process: {before / MB:.0f} MB resident, {after / MB:.0f} MB after giving "
-            f"back what {what} freed")
+            "back what the recording and the replay freed")
 
 
 def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> dict[str, Any]:
@@ -330,7 +330,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     gc.collect()
     cfg.log(f"  replayed state is bit-identical to the live state (v{report.version}: "
             f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
-    _give_back_freed_memory(cfg, "the recording and the replay")
+    _give_back_freed_memory(cfg)
     base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
     # The floor (``benchmarks.floor``): the tail's optimizer steps and the state's checks
     # alone, bare, in one fresh process; then (in the loop below, interleaved with the
