@@ -31,8 +31,8 @@ def main(argv: list[str]) -> int:
         return 0
     if argv[0] == "replay":
         from eventlog import RunAddress, Target
-        from eventlog.allocator import tune_for_replay
         from replayer.replay import replay
+        from rewind.allocator import tune_for_replay
 
         tune_for_replay()  # as the rewind CLI's recovery job does
 

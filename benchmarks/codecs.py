@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
-from eventlog import Recorder, RunAddress, Target
-from eventlog.fold import rebuild
+from eventlog import RunAddress, Target
+from eventlog.fold.engine import rebuild
+from rewind.recorder import Recorder
 
 from .model import Workload, parse_size
 

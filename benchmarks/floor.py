@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from eventlog import RunAddress, Target, knobs, optimstep
-from eventlog.apply import ShardState
-from eventlog.deferred import READS_GRADS_ONLY, DeferredSteps, part_cuts
-from eventlog.fold import ControlIndex, FoldStart, fold_shard, index_control
+from eventlog.fold.apply import ShardState
+from eventlog.fold.deferred import READS_GRADS_ONLY, DeferredSteps, part_cuts
+from eventlog.fold.engine import ControlIndex, FoldStart, fold_shard, index_control
 from eventlog.ports import EventLog
 from snapshotter.catalog import markers, newest_valid
 from snapshotter.store import SnapshotStore
@@ -142,9 +142,9 @@ def _capture(log: EventLog, idx: ControlIndex, version: int, start: FoldStart) -
 
 
 def _parts(calls: list[Call], part_bytes: int) -> list[Call]:
-    """One shard's calls as workers sharing the cache make them (``eventlog.deferred``):
+    """One shard's calls as workers sharing the cache make them (``eventlog.fold.deferred``):
     each single-tile call whose gradient exceeds ``part_bytes`` cut into parts
-    (``eventlog.deferred.part_cuts``, the replay's own rule), every part
+    (``eventlog.fold.deferred.part_cuts``, the replay's own rule), every part
     running the tile's steps in order before the next part starts, on its own copy of the
     step counter. Views of the same tensors: no memory is copied. (It assumes what the
     benchmark's log holds: uncompressed gradients, which the replay reads in place.)"""
@@ -205,7 +205,7 @@ def read_files(files: list[str], per_file: bool) -> float:
 def _steps(calls: list[list[Call]], per_shard: bool) -> float:
     """Seconds to run every captured call through torch: one thread for all (torch's
     threads as they are), or one thread per shard (torch's threads shared out, as
-    ``eventlog.fold`` shares them among replay workers)."""
+    ``eventlog.fold.engine`` shares them among replay workers)."""
     def shard(c: list[Call]) -> None:
         for call in c:
             optimstep.run_step(*call)

@@ -39,16 +39,17 @@ import xxhash
 from rich.console import Console
 from rich.table import Table
 
-import eventlog.apply as apply_mod
 import eventlog.embedded as embedded_mod
-import eventlog.fold as fold_mod
+import eventlog.fold.apply as apply_mod
+import eventlog.fold.engine as fold_mod
 import eventlog.optimstep as optimstep_mod
-import eventlog.recorder as recorder_mod
 import eventlog.serde as serde_mod
 import eventlog.tensorcodec as tc
+import rewind.recorder as recorder_mod
 import snapshotter.store as store_mod
-from eventlog import Recorder, RunAddress, Target
+from eventlog import RunAddress, Target
 from eventlog.events import Envelope, TensorDelta
+from rewind.recorder import Recorder
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 

@@ -34,7 +34,8 @@ from typing import Any
 
 import torch
 
-from eventlog import Recorder, RunAddress, Target
+from eventlog import RunAddress, Target
+from rewind.recorder import Recorder
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 

@@ -1,9 +1,9 @@
-"""Rewind's log layer: events, codecs, the EventLog/Coordinator ports and backends, trainer hooks."""
+"""Rewind's log layer: events, serde, codecs, the EventLog/Coordinator ports, backends, the fold engine."""
 
-from .backends import RunAddress, list_runs, open_coordinator, open_log
-from .capture import Stateful
-from .crypto import AuthenticationError, Keyring
-from .errors import (
+from eventlog.backends import RunAddress, list_runs, open_coordinator, open_log
+from eventlog.capture import Stateful
+from eventlog.crypto import AuthenticationError, Keyring
+from eventlog.errors import (
     ConfigError,
     CoordinationError,
     CorruptMessageError,
@@ -22,13 +22,12 @@ from .errors import (
     UnknownSchemaError,
     WrongRunError,
 )
-from .fold import Target
-from .recorder import CommitResult, Recorder, RestoreResult
+from eventlog.fold.engine import Target
 
 __all__ = [
-    "AuthenticationError", "Keyring", "CommitResult", "ConfigError", "CoordinationError", "CorruptMessageError",
+    "AuthenticationError", "Keyring", "ConfigError", "CoordinationError", "CorruptMessageError",
     "CorruptStoreError", "DecodeError", "DigestMismatchError", "EventLogError", "FencedError",
-    "IntegrityError", "Recorder", "RestoreResult", "RewindError", "RunAddress",
+    "IntegrityError", "RewindError", "RunAddress",
     "RunNotFoundError", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
     "TargetNotFoundError", "TruncatedHistoryError", "UnknownSchemaError", "WrongRunError",
     "list_runs", "open_coordinator", "open_log",

@@ -10,8 +10,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ConfigError
-from .ports import Coordinator, EventLog
+from eventlog.errors import ConfigError
+from eventlog.ports import Coordinator, EventLog
 
 DB_NAME = "rewind.db"
 
@@ -69,11 +69,11 @@ def open_log(url: str, run_id: str) -> EventLog:
     """Open run ``run_id``'s log on the backend ``url`` names."""
     scheme = _scheme(url)
     if scheme == "sqlite":
-        from .embedded import EmbeddedLog
+        from eventlog.embedded import EmbeddedLog
 
         return EmbeddedLog(url, run_id)
     if scheme == "kafka":
-        from .kafka import KafkaLog
+        from eventlog.kafka import KafkaLog
 
         return KafkaLog(url, run_id)
     raise ConfigError(f"unknown log backend {scheme!r} in {url!r}; use sqlite:// or kafka://")
@@ -83,11 +83,11 @@ def open_coordinator(url: str) -> Coordinator:
     """Open the coordinator ``url`` names."""
     scheme = _scheme(url)
     if scheme == "sqlite":
-        from .embedded import EmbeddedCoordinator
+        from eventlog.embedded import EmbeddedCoordinator
 
         return EmbeddedCoordinator(url)
     if scheme in ("redis", "rediss"):
-        from .redis import RedisCoordinator
+        from eventlog.redis import RedisCoordinator
 
         return RedisCoordinator(url)
     raise ConfigError(f"unknown coordinator {scheme!r} in {url!r}; use sqlite:// or redis://")
@@ -97,11 +97,11 @@ def list_runs(url: str) -> list[str]:
     """Runs recorded in the log at ``url``."""
     scheme = _scheme(url)
     if scheme == "sqlite":
-        from .embedded import list_runs as embedded_runs
+        from eventlog.embedded import list_runs as embedded_runs
 
         return embedded_runs(url)
     if scheme == "kafka":
-        from .kafka import list_runs as kafka_runs
+        from eventlog.kafka import list_runs as kafka_runs
 
         return kafka_runs(url)
     raise ConfigError(f"unknown log backend {scheme!r} in {url!r}")

@@ -15,10 +15,10 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import torch
 
-from . import statecodec, tensorcodec
-from .errors import StateMismatchError
-from .fold import RebuiltState
-from .statecodec import TensorRef
+from eventlog import statecodec, tensorcodec
+from eventlog.errors import StateMismatchError
+from eventlog.fold.engine import RebuiltState
+from eventlog.statecodec import TensorRef
 
 #: Objects whose tensors go to the tensor shards; every other object is a small state.
 TENSOR_ROLES = ("model", "optimizer")

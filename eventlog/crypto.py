@@ -23,8 +23,8 @@ from pathlib import Path
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from .errors import ConfigError, CorruptMessageError
-from .events import SMALL_STATE_TYPES, Envelope, OptimizerStep, TensorDelta
+from eventlog.errors import ConfigError, CorruptMessageError
+from eventlog.events import SMALL_STATE_TYPES, Envelope, OptimizerStep, TensorDelta
 
 NONCE = 12
 TAG = 16

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 import xxhash
 
-from .tensorcodec import chunk_ranges, digest
+from eventlog.tensorcodec import chunk_ranges, digest
 
 
 def chunk_digests(bits: np.ndarray, chunk_bytes: int) -> list[bytes]:

@@ -23,8 +23,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple, ParamSpec, TypeVar
 
-from . import knobs, segments
-from .errors import (
+from eventlog import knobs, segments
+from eventlog.errors import (
     ConfigError,
     CoordinationError,
     CorruptStoreError,
@@ -34,7 +34,7 @@ from .errors import (
     StaleVersionError,
     TruncatedHistoryError,
 )
-from .ports import (
+from eventlog.ports import (
     CONTROL,
     Coordinator,
     Decoded,

@@ -55,8 +55,8 @@ from tenacity import (
     wait_exponential,
 )
 
-from .errors import ConfigError, EventLogError, FencedError, RewindError
-from .ports import CONTROL, EventLog, LogTransaction, LogWriter, Record
+from eventlog.errors import ConfigError, EventLogError, FencedError, RewindError
+from eventlog.ports import CONTROL, EventLog, LogTransaction, LogWriter, Record
 
 T = TypeVar("T")
 

@@ -72,7 +72,7 @@ REPLAY_DEFER_MAPPED_BYTES = _int("REPLAY_DEFER_MAPPED_BYTES", 16 * 1024**3)
 #: Gradient bytes per tile unit of a batched replay (a cache-sized piece of the state that
 #: every batched step runs on before the next piece).
 REPLAY_TILE_BYTES = _int("REPLAY_TILE_BYTES", 4 * 1024 * 1024)
-#: glibc's mmap threshold in the processes that replay (the CLI; ``eventlog.allocator``):
+#: glibc's mmap threshold in the processes that replay (the CLI; ``rewind.allocator``):
 #: chunk payloads of 4 MiB then reuse freed heap memory instead of fresh pages. 0: leave
 #: malloc alone. glibc refuses more than 32 MiB on 64-bit systems.
 MALLOC_MMAP_THRESHOLD = _int("MALLOC_MMAP_THRESHOLD", 32 * 1024**2)
@@ -99,5 +99,5 @@ _FAULT_KILL = os.environ.get("REWIND_FAULT_KILL", "")
 
 def fault_point(*where: object) -> None:
     """SIGKILL this process if ``REWIND_FAULT_KILL`` names this point."""
-    if _FAULT_KILL and _FAULT_KILL == ":".join(map(str, where)):
+    if _FAULT_KILL and ":".join(map(str, where)) == _FAULT_KILL:
         os.kill(os.getpid(), signal.SIGKILL)

@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import xxhash
 
-from .events import TensorSpec
-from .tensorcodec import nbytes_of
+from eventlog.events import TensorSpec
+from eventlog.tensorcodec import nbytes_of
 
 
 def assign_shards(

@@ -26,9 +26,9 @@ from torch.optim.adam import adam as functional_adam
 from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
 
-from . import statecodec, tensorcodec
-from .errors import ConfigError, DecodeError, IntegrityError
-from .events import OptimizerStep
+from eventlog import statecodec, tensorcodec
+from eventlog.errors import ConfigError, DecodeError, IntegrityError
+from eventlog.events import OptimizerStep
 
 #: The optimizers whose step is replayed; any other (subclasses included, since they may
 #: override ``step``) is recorded as XOR deltas.

@@ -15,9 +15,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from . import knobs
-from .errors import ConfigError
-from .events import CONTROL_SHARD
+from eventlog import knobs
+from eventlog.errors import ConfigError
+from eventlog.events import CONTROL_SHARD
 
 CONTROL = CONTROL_SHARD
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import knobs, optimstep, tensorcodec
-from .events import OptimizerStep, TensorDelta, TensorSpec
-from .optimstep import CapturedStep, tensor_view
+from eventlog import knobs, optimstep, tensorcodec
+from eventlog.events import OptimizerStep, TensorDelta, TensorSpec
+from eventlog.optimstep import CapturedStep, tensor_view
 
 STATE_PREFIX = "optimizer/state"
 

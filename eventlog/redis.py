@@ -33,8 +33,8 @@ from redis.exceptions import (
 from redis.retry import Retry
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from .errors import ConfigError, CoordinationError, StaleVersionError
-from .ports import Coordinator
+from eventlog.errors import ConfigError, CoordinationError, StaleVersionError
+from eventlog.ports import Coordinator
 
 P = ParamSpec("P")
 R = TypeVar("R")

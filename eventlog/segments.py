@@ -41,8 +41,8 @@ from pathlib import Path
 
 import xxhash
 
-from .durability import fsync_dir
-from .errors import CorruptStoreError, EventLogError
+from eventlog.durability import fsync_dir
+from eventlog.errors import CorruptStoreError, EventLogError
 
 _log = logging.getLogger(__name__)
 

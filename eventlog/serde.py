@@ -12,10 +12,9 @@ from typing import IO, Any, cast
 import fastavro
 
 import schemas
-
-from .errors import CorruptMessageError, RewindError, UnknownSchemaError
-from .events import Envelope
-from .ports import MessageStream
+from eventlog.errors import CorruptMessageError, RewindError, UnknownSchemaError
+from eventlog.events import Envelope
+from eventlog.ports import MessageStream
 
 MAGIC = b"\xc3\x01"
 HEADER_BYTES = 10

@@ -15,9 +15,9 @@ import msgpack
 import numpy as np
 import torch
 
-from . import knobs
-from .errors import DecodeError
-from .tensorcodec import DTYPES, dtype_name, nbytes_of
+from eventlog import knobs
+from eventlog.errors import DecodeError
+from eventlog.tensorcodec import DTYPES, dtype_name, nbytes_of
 
 _EXT_TUPLE = 1
 _EXT_NDARRAY = 2

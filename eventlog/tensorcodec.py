@@ -22,9 +22,9 @@ import numpy as np
 import torch
 import xxhash
 
-from . import knobs
-from .errors import ConfigError, CorruptMessageError, DecodeError
-from .events import TensorDelta
+from eventlog import knobs
+from eventlog.errors import ConfigError, CorruptMessageError, DecodeError
+from eventlog.events import TensorDelta
 
 #: torch dtypes Rewind records, by the name used in events.
 DTYPES: dict[str, torch.dtype] = {
@@ -287,7 +287,7 @@ def raw_bits(delta: TensorDelta, where: str, *, verify: bool = True) -> np.ndarr
     gradient).
 
     ``verify=False`` skips the digest, for a caller whose result is checked against a seal
-    before anyone sees it (a batched replay, ``eventlog.deferred``): the length is still
+    before anyone sees it (a batched replay, ``eventlog.fold.deferred``): the length is still
     checked, and any bits are valid numbers."""
     if not is_raw(delta):
         return None

@@ -10,9 +10,8 @@ from typing import Any
 import torch
 
 from eventlog import RunAddress, Target
-from eventlog.fold import ControlIndex, index_control
-
-from .replay import replay, tensors_of
+from eventlog.fold.engine import ControlIndex, index_control
+from replayer.replay import replay, tensors_of
 
 
 @dataclass(frozen=True)

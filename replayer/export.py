@@ -11,9 +11,8 @@ from typing import Any
 import safetensors.torch
 
 from eventlog import ConfigError, RewindError
-from eventlog.fold import RebuiltState
-
-from .replay import ReplayReport, state_dicts, write_checkpoint
+from eventlog.fold.engine import RebuiltState
+from replayer.replay import ReplayReport, state_dicts, write_checkpoint
 
 FORMATS = ("torch", "safetensors", "hf")
 

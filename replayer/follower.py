@@ -2,7 +2,7 @@
 
 A ``Follower`` polls the run's log. Within ``max_lag`` versions it folds the new commits
 into its own copy of the shard state, with the shared exactly-once rule
-(``eventlog.fold.fold_shard``), and verifies every shard against the newest seal. Beyond
+(``eventlog.fold.engine.fold_shard``), and verifies every shard against the newest seal. Beyond
 ``max_lag`` (and on the first poll, or when an incremental step fails verification) it does
 a full sync: the newest valid snapshot plus the log tail (``replayer.replay.replay``).
 
@@ -40,12 +40,11 @@ from eventlog import (
     TruncatedHistoryError,
     tensorcodec,
 )
-from eventlog.apply import ShardState, verify_shard
 from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
-from eventlog.fold import ControlIndex, fold_shard, index_control
-
-from .replay import replay
+from eventlog.fold.apply import ShardState, verify_shard
+from eventlog.fold.engine import ControlIndex, fold_shard, index_control
+from replayer.replay import replay
 
 NOOP, INCREMENTAL, FULL = "noop", "incremental", "full"
 #: The role whose log tensors (``model/<state_dict key>``) are loaded into the module.

@@ -21,7 +21,7 @@ import torch
 from eventlog import RunAddress, Target, knobs
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
 from eventlog.errors import BatchedStepsMismatchError, DecodeError, IntegrityError
-from eventlog.fold import FoldStart, RebuiltState, index_control, rebuild
+from eventlog.fold.engine import FoldStart, RebuiltState, index_control, rebuild
 from eventlog.ports import EventLog
 from snapshotter.catalog import newest_valid
 from snapshotter.store import SnapshotStore

@@ -15,14 +15,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from eventlog import RewindError, knobs, serde
-from eventlog.apply import ShardState
 from eventlog.digests import small_digest
 from eventlog.events import RunStarted, SnapshotBegin, SnapshotEnd
-from eventlog.fold import ControlIndex, FoldStart
+from eventlog.fold.apply import ShardState
+from eventlog.fold.engine import ControlIndex, FoldStart
+from eventlog.fold.sharing import WorkBoard
 from eventlog.ports import EventLog
-from eventlog.sharing import WorkBoard
-
-from .store import Manifest, ShardCheck, SnapshotCorruptError, SnapshotStore
+from snapshotter.store import Manifest, ShardCheck, SnapshotCorruptError, SnapshotStore
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import threading
 import numpy as np
 import xxhash
 
-from eventlog.sharing import WorkBoard
+from eventlog.fold.sharing import WorkBoard
 
 #: Bytes per piece.
 PIECE = 32 * 1024 * 1024

@@ -1,7 +1,7 @@
 """The snapshotter: follows a run's log, keeps its state folded, and writes snapshots.
 
 It folds sealed versions with the same apply rule and verification as the replayer
-(``eventlog.fold``), and writes a snapshot when its trigger says so:
+(``eventlog.fold.engine``), and writes a snapshot when its trigger says so:
 ``SnapshotBegin`` in the log, the files (in parallel, atomic, checksummed), the manifest,
 then ``SnapshotEnd``. Only the holder of the snapshotter lease writes; its fencing token is
 checked again before the manifest and before the end marker, so a fenced snapshotter can
@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from eventlog import FencedError, RunAddress, RunNotFoundError, knobs, serde
-from eventlog.apply import ShardState, verify_shard
 from eventlog.events import Body, Envelope, SnapshotBegin, SnapshotEnd
-from eventlog.fold import (
+from eventlog.fold.apply import ShardState, verify_shard
+from eventlog.fold.engine import (
     ControlIndex,
     FoldStart,
     SmallStates,
@@ -30,9 +30,8 @@ from eventlog.fold import (
     verify_small,
 )
 from eventlog.ports import CONTROL
-
-from .catalog import encode_layout, markers, newest_valid, try_delete
-from .policies import (
+from snapshotter.catalog import encode_layout, markers, newest_valid, try_delete
+from snapshotter.policies import (
     Progress,
     Retention,
     SnapshotInfo,
@@ -41,7 +40,7 @@ from .policies import (
     every_versions,
     keep_last,
 )
-from .store import FORMAT, Manifest, SnapshotStore
+from snapshotter.store import FORMAT, Manifest, SnapshotStore
 
 
 @dataclass(frozen=True)

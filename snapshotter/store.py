@@ -25,13 +25,12 @@ import safetensors.torch
 import torch
 
 from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto, knobs
-from eventlog.apply import ShardState, TensorBits
 from eventlog.durability import fsync_dir
-from eventlog.fold import SmallStates
-from eventlog.sharing import WorkBoard, map_shared
+from eventlog.fold.apply import ShardState, TensorBits
+from eventlog.fold.engine import SmallStates
+from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.tensorcodec import itemsize, nbytes_of, torch_dtype
-
-from .pieces import digest_hex, read_and_hash
+from snapshotter.pieces import digest_hex, read_and_hash
 
 MANIFEST = "manifest.json"
 FORMAT = 1

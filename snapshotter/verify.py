@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from eventlog import RewindError, RunAddress, Target
-from eventlog.fold import FoldStart, index_control, rebuild
-
-from .catalog import load_start, markers
-from .store import SnapshotStore
+from eventlog.fold.engine import FoldStart, index_control, rebuild
+from snapshotter.catalog import load_start, markers
+from snapshotter.store import SnapshotStore
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
 

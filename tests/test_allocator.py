@@ -1,4 +1,4 @@
-"""The recovery job's malloc tuning (``eventlog.allocator``), observed through glibc itself."""
+"""The recovery job's malloc tuning (``rewind.allocator``), observed through glibc itself."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # glibc served it with a fresh mmap (mallinfo2's count of mmapped blocks goes up).
 PROBE = """
 import ctypes
-from eventlog.allocator import tune_for_replay
+from rewind.allocator import tune_for_replay
 class Info(ctypes.Structure):
     _fields_ = [(n, ctypes.c_size_t) for n in
                 "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]

@@ -35,7 +35,6 @@ from eventlog import (
     CorruptStoreError,
     DecodeError,
     EventLogError,
-    Recorder,
     RewindError,
     RunAddress,
     RunNotFoundError,
@@ -48,7 +47,8 @@ from eventlog import (
     tensorcodec,
 )
 from eventlog.events import TensorDelta
-from eventlog.fold import rebuild
+from eventlog.fold.engine import rebuild
+from rewind.recorder import Recorder
 
 from .storage import inline_segments
 
@@ -186,9 +186,8 @@ def restore_fails(
 def rebuild_fails(run: Run, error: type[Exception], run_id: str | None = None) -> Exception:
     """Folding the log (no Recorder, read only) raises ``error`` and leaves the file as it was."""
     before = file_digest(run.db)
-    with pytest.raises(error) as info:
-        with open_log(run.url, run_id or run.run_id) as log:
-            rebuild(log)
+    with pytest.raises(error) as info, open_log(run.url, run_id or run.run_id) as log:
+        rebuild(log)
     settle(run.db)
     assert file_digest(run.db) == before, "a failed rebuild changed the database file"
     return info.value
@@ -489,16 +488,14 @@ def test_truncated_database_file(tmp_path: Path, keep: float | str) -> None:
         assert isinstance(exc, EventLogError), f"{type(exc).__name__}: {exc}"
         assert str(run.db) in str(exc), str(exc)
 
-    with pytest.raises(CorruptStoreError) as info:
-        with open_log(run.url, run.run_id) as log:
-            rebuild(log)
+    with pytest.raises(CorruptStoreError) as info, open_log(run.url, run.run_id) as log:
+        rebuild(log)
     check(info.value)
 
     model = Net(seed=9)
     snapshot = bits(model)
-    with pytest.raises(CorruptStoreError) as info:
-        with Recorder(run.address(), model, chunk_bytes=64) as rec:
-            rec.restore()
+    with pytest.raises(CorruptStoreError) as info, Recorder(run.address(), model, chunk_bytes=64) as rec:
+        rec.restore()
     check(info.value)
     assert_same_bits(model, snapshot)
 

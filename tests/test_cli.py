@@ -12,7 +12,7 @@ import torch
 
 
 def _rewind(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "from replayer.cli import main; main()", *args],
+    return subprocess.run([sys.executable, "-c", "from rewind.cli import main; main()", *args],
                           capture_output=True, text=True, timeout=600)
 
 
@@ -59,8 +59,8 @@ def test_unknown_target_and_missing_run_give_one_clear_line(tmp_path: Path) -> N
 
 
 def test_python_dash_m_runs_the_same_command_line(tmp_path: Path) -> None:
-    """``python -m replayer.cli`` is the ``rewind`` script (it did nothing before)."""
-    out = subprocess.run([sys.executable, "-m", "replayer.cli", "replay", "--run-dir", str(tmp_path / "x")],
+    """``python -m rewind.cli`` is the ``rewind`` script (it did nothing before)."""
+    out = subprocess.run([sys.executable, "-m", "rewind.cli", "replay", "--run-dir", str(tmp_path / "x")],
                          capture_output=True, text=True, timeout=300, check=False,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.returncode == 2 and "no Rewind run in" in out.stderr

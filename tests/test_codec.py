@@ -23,10 +23,11 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from eventlog import Recorder, RunAddress, open_log, statecodec, tensorcodec
+from eventlog import RunAddress, open_log, statecodec, tensorcodec
 from eventlog.errors import CorruptMessageError, DecodeError
 from eventlog.events import TensorDelta
-from eventlog.fold import Target, rebuild
+from eventlog.fold.engine import Target, rebuild
+from rewind.recorder import Recorder
 
 # ----------------------------------------------------------------------------- helpers
 

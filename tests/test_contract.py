@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from eventlog import FencedError, Recorder, RunAddress, StaleVersionError
+from eventlog import FencedError, RunAddress, StaleVersionError
 from eventlog.ports import CONTROL, MessageStream
+from rewind.recorder import Recorder
 
 
 def _values(records: list) -> list[bytes]:  # type: ignore[type-arg]
@@ -32,10 +33,9 @@ def test_aborted_transaction_leaves_nothing(address: RunAddress) -> None:
     with address.open_log() as log:
         log.create(1)
         writer = log.writer("w")
-        with pytest.raises(RuntimeError, match="boom"):
-            with writer.transaction() as txn:
-                txn.append(0, b"lost")
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"), writer.transaction() as txn:
+            txn.append(0, b"lost")
+            raise RuntimeError("boom")
         with writer.transaction() as txn:
             txn.append(0, b"kept")
         assert _values(log.read(0)) == [b"kept"]
@@ -115,9 +115,8 @@ def test_second_writer_with_same_id_fences_the_first(address: RunAddress) -> Non
         with first.transaction() as txn:
             txn.append(0, b"before")
         second = log.writer("trainer")
-        with pytest.raises(FencedError, match="fenced"):
-            with first.transaction() as txn:
-                txn.append(0, b"zombie")
+        with pytest.raises(FencedError, match="fenced"), first.transaction() as txn:
+            txn.append(0, b"zombie")
         with second.transaction() as txn:
             txn.append(0, b"after")
         assert _values(log.read(0)) == [b"before", b"after"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from eventlog import RunAddress, Target
-from eventlog.fold import index_control, rebuild
+from eventlog.fold.engine import index_control, rebuild
 
 from .conftest import make_address
 
@@ -28,7 +28,7 @@ TRAINER = ["--updates", str(UPDATES), "--rollout-steps", "64", "--epochs", "2", 
 
 def _trainer(run_dir: Path, *extra: str, env: dict[str, str] | None = None,
              address: RunAddress | None = None) -> int:
-    cmd = [sys.executable, "-m", "replayer.ppo", "--run-dir", str(run_dir), *TRAINER,
+    cmd = [sys.executable, "-m", "rewind.demo.ppo", "--run-dir", str(run_dir), *TRAINER,
            "--digest-file", str(run_dir / "digests.jsonl"), *extra]
     if address is not None:
         cmd += ["--record", "--log", address.log_url, "--coord", address.coord_url,

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 import torch
 
-from eventlog import Recorder, RunAddress, knobs
+from eventlog import RunAddress, knobs
 from eventlog.embedded import EmbeddedLog
 from eventlog.errors import ConfigError
+from rewind.recorder import Recorder
 
 RECORD = os.urandom(1 << 20)  # incompressible: a checkpoint grows the database by as much
 

@@ -359,7 +359,8 @@ def test_real_recorded_messages_decode_with_apache_avro(tmp_path: Path) -> None:
     """Real messages from a real Recorder (not hand-built samples) decode with Apache avro."""
     import sqlite3
 
-    from eventlog import Recorder, RunAddress
+    from eventlog import RunAddress
+    from rewind.recorder import Recorder
 
     url = f"sqlite://{tmp_path}/rewind.db"
     model = torch.nn.Linear(8, 4)

@@ -13,9 +13,10 @@ import pytest
 import redis
 import torch
 
-from eventlog import Recorder, RunAddress, Target
-from eventlog.fold import index_control, rebuild
+from eventlog import RunAddress, Target
+from eventlog.fold.engine import index_control, rebuild
 from replayer.replay import state_dicts
+from rewind.recorder import Recorder
 
 from .conftest import REDIS, make_address
 from .test_snapshotter import Trainer, _bit_equal
@@ -33,7 +34,7 @@ def _service(*args: str) -> None:
 def test_demo_on_kafka_and_redis_is_bit_exact(tmp_path: Path) -> None:
     address = make_address("kafka", tmp_path)
     demo = subprocess.run(
-        [sys.executable, "-c", "from replayer.cli import main; main()", "demo", "--run-dir",
+        [sys.executable, "-c", "from rewind.cli import main; main()", "demo", "--run-dir",
          str(tmp_path / "demo"), "--updates", "8", "--kill-at", "4", "--log", address.log_url,
          "--coord", address.coord_url, "--run", address.run_id],
         capture_output=True, text=True, timeout=600)

@@ -13,10 +13,11 @@ import pytest
 import torch
 import xxhash
 
-from eventlog import ConfigError, Recorder, RunAddress, StateMismatchError
+from eventlog import ConfigError, RunAddress, StateMismatchError
 from eventlog.embedded import path_from_url
-from eventlog.fold import events
+from eventlog.fold.engine import events
 from replayer.follower import Follower, followers_table, forget_silent_followers
+from rewind.recorder import Recorder
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 

@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eventlog import RewindError, optimstep, serde, statecodec, tensorcodec
-from eventlog.apply import ShardState
 from eventlog.events import (
     CommitSealed,
     CustomState,
@@ -38,6 +37,7 @@ from eventlog.events import (
     TensorDelta,
     TensorSpec,
 )
+from eventlog.fold.apply import ShardState
 from snapshotter.store import FORMAT, FileEntry, Manifest, SnapshotCorruptError
 
 EXAMPLES = int(os.environ.get("REWIND_FUZZ_EXAMPLES", "10000"))

@@ -13,15 +13,15 @@ from typing import Any
 import pytest
 import torch
 
-from eventlog import Recorder, RunAddress, Target, knobs, serde
-from eventlog import deferred as deferred_module
-from eventlog.deferred import DeferredSteps
+from eventlog import RunAddress, Target, knobs, serde
 from eventlog.embedded import path_from_url
 from eventlog.errors import BatchedStepsMismatchError, CorruptMessageError, DigestMismatchError
 from eventlog.events import OptimizerStep, TensorDelta
-from eventlog.fold import rebuild
-from eventlog.recorder import CommitResult
+from eventlog.fold import deferred as deferred_module
+from eventlog.fold.deferred import DeferredSteps
+from eventlog.fold.engine import rebuild
 from replayer.replay import replay, state_dicts
+from rewind.recorder import CommitResult, Recorder
 
 from .storage import inline_segments
 
@@ -250,7 +250,7 @@ def test_batched_steps_that_diverge_alone_are_reported_as_such(
     """When only the batched path computes differently, the fold with every check matches
     the seal, and replay() says so instead of sending the user to look for damage."""
     address, _ = _trained_embedded_run(tmp_path, "diverge", 3)
-    from eventlog import deferred
+    from eventlog.fold import deferred
 
     real = deferred._run_unit
 
@@ -285,9 +285,9 @@ def test_optimizer_state_lives_on_its_params_shard(address: RunAddress) -> None:
 
 
 def test_optimizer_step_events_are_typed_and_validated() -> None:
-    from eventlog.apply import ShardState
     from eventlog.errors import IntegrityError
     from eventlog.events import Envelope
+    from eventlog.fold.apply import ShardState
 
     body = OptimizerStep("Adam", 0, 1, "2.4.0", "cpu", b"\x91\x81\xa2lr\xcb?P\x62M\xd2\xf1\xa9\xfc",
                          ("model/w",), (0,), ("optimizer/state/0",), (), ())

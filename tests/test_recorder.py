@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventlog import Recorder, RunAddress, Target
-from eventlog.fold import index_control, rebuild
+from eventlog import RunAddress, Target
+from eventlog.fold.engine import index_control, rebuild
+from rewind.recorder import Recorder
 
 
 def _address(tmp_path: Path, run: str = "r") -> RunAddress:

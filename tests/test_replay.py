@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from eventlog import RunAddress, Target, TruncatedHistoryError, serde
-from eventlog.apply import ShardState
 from eventlog.capture import GlobalRng, load_into
-from eventlog.fold import ControlIndex, events, fold_shard, index_control, rebuild
+from eventlog.fold.apply import ShardState
+from eventlog.fold.engine import ControlIndex, events, fold_shard, index_control, rebuild
 from eventlog.ports import EventLog
 from replayer.replay import replay, state_dicts
 from snapshotter.catalog import newest_valid
@@ -58,11 +58,10 @@ def test_exactly_once_under_injected_faults(run: RunAddress) -> None:
             for value in dupes:
                 txn.append(0, value)
         # 2. An aborted transaction: never visible, never counted.
-        with pytest.raises(RuntimeError):
-            with injector.transaction() as txn:
-                for value in _records_of_version(run, 0, 6)[:3]:
-                    txn.append(0, value)
-                raise RuntimeError("abort")
+        with pytest.raises(RuntimeError), injector.transaction() as txn:
+            for value in _records_of_version(run, 0, 6)[:3]:
+                txn.append(0, value)
+            raise RuntimeError("abort")
         # 3. A zombie's events of a version that was never sealed (version 0).
         zombie = serde.decode(dupes[0])
         for gsn in (10**9, 10**9 + 1):
@@ -101,11 +100,11 @@ def test_exactly_once_under_injected_faults(run: RunAddress) -> None:
 
 @pytest.mark.slow
 def test_time_travel_to_every_tenth_step_is_exact(tmp_path: Path) -> None:
-    from replayer.ppo import PPOConfig, PPOTrainer
+    from rewind.demo.ppo import PPOConfig, PPOTrainer
 
     updates = 200
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "replayer.ppo", "--record", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "rewind.demo.ppo", "--record", "--run-dir", str(run_dir),
            "--updates", str(updates), "--rollout-steps", "64", "--epochs", "2",
            "--snapshot-every", "50", "--digest-file", str(run_dir / "digests.jsonl"), "--quiet"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
@@ -128,7 +127,7 @@ def test_time_travel_to_every_tenth_step_is_exact(tmp_path: Path) -> None:
         trainer.close()
 
     out = tmp_path / "export-120"
-    cli = [sys.executable, "-c", "from replayer.cli import main; main()", "export", "--run-dir",
+    cli = [sys.executable, "-c", "from rewind.cli import main; main()", "export", "--run-dir",
            str(run_dir), "--to", "step=120", "--format", "torch", "--out", str(out)]
     subprocess.run(cli, check=True, capture_output=True, timeout=300)
     exported = torch.load(out / "model.pt", weights_only=True)
@@ -221,7 +220,7 @@ def test_records_still_missing_after_the_settle_time_are_reported(
         run: RunAddress, caplog: pytest.LogCaptureFixture) -> None:
     """When the end offset never covers the target's records, the fold gives up after
     ``settle_s`` without progress and says what it read; the seal check then fails."""
-    with caplog.at_level("WARNING", logger="eventlog.fold"):
+    with caplog.at_level("WARNING", logger="eventlog.fold.engine"):
         state, _, version, want = _fold_shard0(run, 0.1, behind=2, always=True)
     got = state.applied_per_version[version]
     assert got < want

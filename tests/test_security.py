@@ -18,7 +18,7 @@ import pytest
 
 from eventlog import CoordinationError, IntegrityError, RunAddress, Target, crypto
 from eventlog.crypto import AuthenticationError, Keyring
-from eventlog.fold import rebuild
+from eventlog.fold.engine import rebuild
 from replayer.replay import replay, state_dicts
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
@@ -91,9 +91,8 @@ def test_encrypted_run_recovers_bit_exactly_and_a_wrong_key_is_refused(run: RunA
     with crypto.using(_ring(k1=_key())):
         with pytest.raises(AuthenticationError, match="authentication failed with key 'k1'"):
             replay(run, Target())
-    with crypto.using(None):
-        with pytest.raises(AuthenticationError, match="no key is configured"):
-            replay(run, Target())
+    with crypto.using(None), pytest.raises(AuthenticationError, match="no key is configured"):
+        replay(run, Target())
 
 
 def _record_encrypted(run: RunAddress, ring: Keyring, versions: int) -> str:
@@ -231,9 +230,9 @@ def test_redis_auth_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_a_forged_one_terabyte_tensor_fails_fast_without_allocating() -> None:
-    from eventlog.apply import ShardState
     from eventlog.errors import DecodeError
     from eventlog.events import Envelope, TensorDelta
+    from eventlog.fold.apply import ShardState
 
     forged = TensorDelta("model/w", "float32", (2**38,), 0, 1, 0, 4 * 2**38, "FULL", "none", -1,
                          b"\0" * 16, b"tiny")
@@ -248,7 +247,7 @@ def test_a_forged_one_terabyte_tensor_fails_fast_without_allocating() -> None:
 def test_demo_with_encryption_on_recovers_bit_exactly(tmp_path: Path) -> None:
     env = {**os.environ, "REWIND_KEYS": f"demo={_key().hex()}"}
     demo = subprocess.run(
-        [sys.executable, "-c", "from replayer.cli import main; main()", "demo", "--run-dir",
+        [sys.executable, "-c", "from rewind.cli import main; main()", "demo", "--run-dir",
          str(tmp_path / "demo"), "--updates", "6", "--kill-at", "3"],
         capture_output=True, text=True, timeout=600, env=env)
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
@@ -257,7 +256,7 @@ def test_demo_with_encryption_on_recovers_bit_exactly(tmp_path: Path) -> None:
         keyed = db.execute("SELECT COUNT(*) FROM records WHERE partition >= 0").fetchone()[0]
     assert keyed > 0
     wrong = subprocess.run(
-        [sys.executable, "-c", "from replayer.cli import main; main()", "replay", "--run-dir",
+        [sys.executable, "-c", "from rewind.cli import main; main()", "replay", "--run-dir",
          str(tmp_path / "demo" / "recorded")],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "REWIND_KEYS": f"demo={_key().hex()}"})

@@ -394,8 +394,9 @@ def test_a_flipped_byte_in_a_segment_file_is_named_by_the_replay(tmp_path: Path)
     the log is left as it was."""
     import torch
 
-    from eventlog import CorruptMessageError, Recorder, RunAddress, Target
+    from eventlog import CorruptMessageError, RunAddress, Target
     from replayer.replay import replay
+    from rewind.recorder import Recorder
 
     db = tmp_path / "rewind.db"
     address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "flip")

@@ -1,4 +1,4 @@
-"""Work shared between replay workers (``eventlog.sharing``): every unit runs exactly once,
+"""Work shared between replay workers (``eventlog.fold.sharing``): every unit runs exactly once,
 an idle worker takes a busy one's units, errors reach the worker that posted them, and a
 replay whose tiles, digests and snapshot pieces were shared rebuilds the exact state."""
 
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from eventlog import Target, knobs
-from eventlog import deferred as deferred_module
 from eventlog import fold as fold_module
-from eventlog.sharing import WorkBoard, map_shared
+from eventlog.fold import deferred as deferred_module
+from eventlog.fold.sharing import WorkBoard, map_shared
 from replayer.replay import replay, state_dicts
 from snapshotter import pieces as pieces_module
 from snapshotter.service import Snapshotter, SnapshotterConfig

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 
-from eventlog import FencedError, Recorder, RunAddress, Target, TruncatedHistoryError, knobs
-from eventlog.fold import index_control
+from eventlog import FencedError, RunAddress, Target, TruncatedHistoryError, knobs
+from eventlog.fold.engine import index_control
 from replayer.replay import replay, state_dicts
+from rewind.recorder import Recorder
 from snapshotter.catalog import markers
 from snapshotter.policies import SnapshotInfo, every_versions, keep_best, keep_every, keep_last
 from snapshotter.service import Snapshotter, SnapshotterConfig
@@ -82,7 +83,7 @@ def _snapshot_in_child(address: RunAddress, point: str) -> subprocess.CompletedP
     A real process, not a fork: a fork of this multi-threaded test process can inherit a lock
     held by another thread and hang. A restarted snapshotter keeps its identity (``--holder``),
     so it takes its own lease back at once."""
-    cmd = [sys.executable, "-c", "from replayer.cli import main; main()", "snapshot",
+    cmd = [sys.executable, "-c", "from rewind.cli import main; main()", "snapshot",
            "--log", address.log_url, "--coord", address.coord_url, "--run", address.run_id,
            "--snapshots", address.snapshots_url or "", "--holder", "snap-1", "--keep-last", "100"]
     return subprocess.run(cmd, env={**os.environ, "REWIND_FAULT_KILL": point},
@@ -340,7 +341,7 @@ def test_a_replay_leaves_snapshot_checks_to_the_seal_and_checks_them_on_a_mismat
     the target's seal covers those bits. When the seal does not match, or the unchecked
     bits fail the fold some other way, it loads again with every check, which names the
     damaged file and passes it over for an older snapshot."""
-    from eventlog.apply import ShardState
+    from eventlog.fold.apply import ShardState
 
     trainer, ids = _two_snapshots_and_a_tail(run)
     hashed: list[str] = []

@@ -17,9 +17,9 @@ import torch
 
 from eventlog import CorruptMessageError, CorruptStoreError, serde
 from eventlog import tensorcodec as tc
-from eventlog.apply import ShardState, TensorBits
 from eventlog.embedded import EmbeddedLog
 from eventlog.events import Envelope, TensorDelta
+from eventlog.fold.apply import ShardState, TensorBits
 from eventlog.ports import CONTROL
 from snapshotter.store import SnapshotCorruptError, load_shard_file, shard_file_bytes
 

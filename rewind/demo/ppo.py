@@ -20,7 +20,7 @@ survives msgpack.
 
 CLI::
 
-    python -m replayer.ppo --run-dir DIR --updates N --seed S [--digest-file F]
+    python -m rewind.demo.ppo --run-dir DIR --updates N --seed S [--digest-file F]
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ import torch
 from torch import nn
 from torch.distributions import Categorical
 
-from eventlog import Recorder, RunAddress
+from eventlog import RunAddress
 from replayer.replay import restorer
+from rewind.recorder import Recorder
 from snapshotter.policies import every_versions, keep_last
 from snapshotter.service import Snapshotter, SnapshotterConfig, start_background
 from snapshotter.store import SnapshotStore
@@ -1036,7 +1037,7 @@ def _check_run_dir_config(run_dir: Path, config: PPOConfig) -> None:
 
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m replayer.ppo",
+        prog="python -m rewind.demo.ppo",
         description="PPO on CartPole-v1 (the `rewind demo` trainer).",
     )
     p.add_argument("--run-dir", required=True, type=Path, help="directory of this run")

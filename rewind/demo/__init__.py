@@ -22,8 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from eventlog import RunAddress, Target
-
-from .replay import replay
+from replayer.replay import replay
 
 
 @dataclass(frozen=True)
@@ -49,7 +48,7 @@ def _digests(path: Path) -> dict[int, str]:
 
 def _trainer(args: list[str], progress: Progress, task: object, updates: int) -> int:
     """Run one trainer subprocess, advancing ``task`` on each finished update."""
-    cmd = [sys.executable, "-m", "replayer.ppo", *args]
+    cmd = [sys.executable, "-m", "rewind.demo.ppo", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     tail: list[str] = []

@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import knobs, optimstep, tensorcodec
-from .deferred import DeferredSteps
-from .digests import chunk_digests, shard_digest, tensor_digest
-from .errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
-from .events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
-from .optimstep import check_lists, describe_failure, recorded_under, replaying_under
-from .sharing import WorkBoard
+from eventlog import knobs, optimstep, tensorcodec
+from eventlog.digests import chunk_digests, shard_digest, tensor_digest
+from eventlog.errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
+from eventlog.events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
+from eventlog.fold.deferred import DeferredSteps
+from eventlog.fold.sharing import WorkBoard
+from eventlog.optimstep import check_lists, describe_failure, recorded_under, replaying_under
 
 APPLIED = "applied"
 SKIPPED_BY_SNAPSHOT = "skipped_by_snapshot"
@@ -89,7 +89,7 @@ class ShardState:
         """Apply one event under the exactly-once rule; returns its outcome.
 
         With ``defer``, optimizer steps and their gradients are queued and run together,
-        tile by tile (``eventlog.deferred``), when a non-gradient chunk arrives, the queue
+        tile by tile (``eventlog.fold.deferred``), when a non-gradient chunk arrives, the queue
         holds ``knobs.REPLAY_DEFER_BYTES``, or the caller calls ``run_deferred()``, which it
         must before reading the tensors.
         """

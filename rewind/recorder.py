@@ -25,18 +25,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import crypto, knobs, serde, statecodec, tensorcodec
-from . import predictive as predictive_codec
-from .backends import RunAddress
-from .capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
-from .digests import shard_digest, small_digest, state_digest, tensor_digest
-from .errors import (
+from eventlog import crypto, knobs, serde, statecodec, tensorcodec
+from eventlog import predictive as predictive_codec
+from eventlog.backends import RunAddress
+from eventlog.capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
+from eventlog.digests import shard_digest, small_digest, state_digest, tensor_digest
+from eventlog.errors import (
     ConfigError,
     RewindError,
     RunNotFoundError,
     StaleVersionError,
 )
-from .events import (
+from eventlog.events import (
     CONTROL_SHARD,
     Body,
     CommitSealed,
@@ -50,10 +50,10 @@ from .events import (
     TensorDelta,
     TensorSpec,
 )
-from .fold import RebuiltState, Target, index_control, rebuild
-from .layout import assign_shards, config_digest
-from .optimstep import CapturedStep, StepCapture
-from .ports import CONTROL, Coordinator, EventLog
+from eventlog.fold.engine import RebuiltState, Target, index_control, rebuild
+from eventlog.layout import assign_shards, config_digest
+from eventlog.optimstep import CapturedStep, StepCapture
+from eventlog.ports import CONTROL, Coordinator, EventLog
 
 REWIND_VERSION = "0.1.0"
 _KINDS: dict[str, type[Any]] = {

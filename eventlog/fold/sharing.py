@@ -77,7 +77,7 @@ class WorkBoard:
     def __init__(self, participants: int = 0, threads: int = 1) -> None:
         """``participants``: how many workers may still post work; a helper waits for
         each to ``leave`` before it stops looking for units. ``threads``: how many run
-        units at once (a poster sizes its units by it: ``eventlog.deferred``)."""
+        units at once (a poster sizes its units by it: ``eventlog.fold.deferred``)."""
         self.threads = max(1, threads)
         self._cond = threading.Condition()
         self._jobs: list[_Job[Any]] = []

@@ -21,7 +21,7 @@ import ctypes
 import os
 import platform
 
-from . import knobs
+from eventlog import knobs
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc's malloc.h).
 _M_MMAP_THRESHOLD = -3

@@ -43,10 +43,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import optimstep, tensorcodec
-from .errors import IntegrityError, RewindError
-from .events import OptimizerStep, TensorDelta
-from .sharing import WorkBoard
+from eventlog import optimstep, tensorcodec
+from eventlog.errors import IntegrityError, RewindError
+from eventlog.events import OptimizerStep, TensorDelta
+from eventlog.fold.sharing import WorkBoard
 
 #: Optimizers whose step only reads its gradients (torch's Adam and AdamW write one only to
 #: unscale it by ``grad_scale``, which ``optimstep`` never passes). Their raw gradients are
@@ -78,7 +78,7 @@ def _consume_readonly_warning() -> None:
 _consume_readonly_warning()
 
 if TYPE_CHECKING:
-    from .apply import TensorBits
+    from eventlog.fold.apply import TensorBits
 
 
 @dataclass
@@ -144,7 +144,7 @@ class DeferredSteps:
         self.check_grads = True
         self.grads_unchecked = False
         #: Where the batch's units are posted for other replay workers to share
-        #: (``eventlog.sharing``; set by ``fold.fold_shard`` for the fold's duration).
+        #: (``eventlog.fold.sharing``; set by ``fold.fold_shard`` for the fold's duration).
         self.board: WorkBoard | None = None
 
     def __bool__(self) -> bool:

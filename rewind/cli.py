@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -18,19 +18,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from eventlog import RewindError, RunAddress, Target
-from eventlog.allocator import tune_for_replay
-
-from .replay import ReplayReport, replay, write_checkpoint
+from replayer.replay import ReplayReport, replay, write_checkpoint
+from rewind.allocator import tune_for_replay
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 err = Console(stderr=True)
 
-RunDir = Annotated[Optional[Path], typer.Option("--run-dir", help="embedded run directory")]
-LogUrl = Annotated[Optional[str], typer.Option("--log", help="log URL: sqlite://PATH or kafka://HOST:PORT")]
-CoordUrl = Annotated[Optional[str], typer.Option("--coord", help="coordinator URL: sqlite://PATH or redis://HOST:PORT")]
-RunId = Annotated[Optional[str], typer.Option("--run", help="run id")]
-Snaps = Annotated[Optional[str], typer.Option("--snapshots", help="snapshot store URL (file://DIR); --run-dir implies DIR/snapshots")]
+RunDir = Annotated[Path | None, typer.Option("--run-dir", help="embedded run directory")]
+LogUrl = Annotated[str | None, typer.Option("--log", help="log URL: sqlite://PATH or kafka://HOST:PORT")]
+CoordUrl = Annotated[str | None, typer.Option("--coord", help="coordinator URL: sqlite://PATH or redis://HOST:PORT")]
+RunId = Annotated[str | None, typer.Option("--run", help="run id")]
+Snaps = Annotated[str | None, typer.Option("--snapshots", help="snapshot store URL (file://DIR); --run-dir implies DIR/snapshots")]
 To = Annotated[str, typer.Option("--to", help="latest, version=V, step=N, gsn=G or offset=P")]
 Workers = Annotated[int, typer.Option("--workers", help="shards replayed in parallel")]
 AsJson = Annotated[bool, typer.Option("--json", help="machine-readable output")]
@@ -68,13 +67,13 @@ def demo(
     run_dir: Annotated[Path, typer.Option("--run-dir", help="where the demo writes its runs")] = Path("rewind-demo"),
     updates: Annotated[int, typer.Option(help="PPO updates")] = 60,
     seed: int = 0,
-    kill_at: Annotated[Optional[int], typer.Option("--kill-at", help="update to SIGKILL in (default: random)")] = None,
+    kill_at: Annotated[int | None, typer.Option("--kill-at", help="update to SIGKILL in (default: random)")] = None,
     log: LogUrl = None,
     coord: CoordUrl = None,
     run: RunId = None,
 ) -> None:
     """Record PPO on CartPole, SIGKILL it, recover from the log, compare with an uninterrupted run."""
-    from .demo import run_demo
+    from rewind.demo import run_demo
 
     result = run_demo(run_dir, updates=updates, seed=seed, kill_at=kill_at, log=log,
                       coord=coord, run=run, console=console)
@@ -135,8 +134,8 @@ def history(
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
 ) -> None:
     """List versions, steps, times, metrics, snapshot markers, recoveries and writers."""
-    from .audit import history as run_history
-    from .audit import history_json
+    from replayer.audit import history as run_history
+    from replayer.audit import history_json
 
     address = address_of(run_dir, log, coord, run)
     _, rows = run_history(address)
@@ -160,13 +159,13 @@ def export(
     out: Annotated[Path, typer.Option("--out", help="directory to write")],
     to: To = "latest",
     fmt: Annotated[str, typer.Option("--format", help="torch, safetensors or hf")] = "torch",
-    config_hook: Annotated[Optional[str], typer.Option("--config-hook", help="module:function writing HF config.json")] = None,
+    config_hook: Annotated[str | None, typer.Option("--config-hook", help="module:function writing HF config.json")] = None,
     workers: Workers = 2,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,
 ) -> None:
     """Write the state at any reachable point (time travel) as torch, safetensors or HF."""
-    from .export import export as do_export
+    from replayer.export import export as do_export
 
     address = address_of(run_dir, log, coord, run, snapshots)
     state, report = _replay_with_progress(address, Target.parse(to), workers)
@@ -183,7 +182,7 @@ def diff(
     snapshots: Snaps = None,
 ) -> None:
     """Per tensor: how many elements changed, the L2 norm of the change, bit equality."""
-    from .audit import diff as run_diff
+    from replayer.audit import diff as run_diff
 
     address = address_of(run_dir, log, coord, run, snapshots)
     rows = run_diff(address, Target.parse(from_), Target.parse(to), workers=workers)
@@ -205,7 +204,7 @@ def plot(
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
 ) -> None:
     """Draw a PNG timeline of metrics, versions, snapshots and recoveries."""
-    from .audit import plot as run_plot
+    from replayer.audit import plot as run_plot
 
     console.print(f"wrote {run_plot(address_of(run_dir, log, coord, run), out)}")
 
@@ -213,13 +212,13 @@ def plot(
 @app.command()
 def followers(
     json_out: AsJson = False,
-    forget_silent_for: Annotated[Optional[float], typer.Option(
+    forget_silent_for: Annotated[float | None, typer.Option(
         "--forget-silent-for", help="first drop followers silent for more than SECONDS")] = None,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
 ) -> None:
     """List the run's followers (actors): the version each runs and its lag behind the newest.
     A follower drops its own entry when it closes; one that crashed stays until forgotten."""
-    from .follower import followers_table, forget_silent_followers
+    from replayer.follower import followers_table, forget_silent_followers
 
     address = address_of(run_dir, log, coord, run)
     forgotten = [] if forget_silent_for is None else forget_silent_followers(address, forget_silent_for)
@@ -240,7 +239,7 @@ def followers(
     console.print(table)
 
 
-def _policies(every: int, seconds: float, keep: int, best: Optional[str], every_steps: Optional[int]):  # type: ignore[no-untyped-def]
+def _policies(every: int, seconds: float, keep: int, best: str | None, every_steps: int | None):  # type: ignore[no-untyped-def]
     from snapshotter.policies import every_seconds, every_versions, keep_best, keep_every, keep_last
 
     trigger = every_versions(every) | every_seconds(seconds)
@@ -257,16 +256,16 @@ def _policies(every: int, seconds: float, keep: int, best: Optional[str], every_
 Every = Annotated[int, typer.Option("--every-versions", help="snapshot every N versions")]
 Seconds = Annotated[float, typer.Option("--every-seconds", help="or every S seconds")]
 Keep = Annotated[int, typer.Option("--keep-last", help="keep the N newest snapshots")]
-Best = Annotated[Optional[str], typer.Option("--keep-best", help="also keep the best: METRIC:K[:max|min]")]
-EverySteps = Annotated[Optional[int], typer.Option("--keep-every", help="also keep one per M steps")]
+Best = Annotated[str | None, typer.Option("--keep-best", help="also keep the best: METRIC:K[:max|min]")]
+EverySteps = Annotated[int | None, typer.Option("--keep-every", help="also keep one per M steps")]
 History = Annotated[str, typer.Option("--history", help="keep-all, since-oldest-snapshot, or N steps")]
-Holder = Annotated[Optional[str], typer.Option(
+Holder = Annotated[str | None, typer.Option(
     "--holder", help="lease holder id; a restarted snapshotter with the same id takes its lease back "
                      "at once (default: a random id, which waits for the old lease to expire)")]
 
 
-def _snapshotter(address: RunAddress, every: int, seconds: float, keep: int, best: Optional[str],
-                 every_steps: Optional[int], history: str, holder: Optional[str]):  # type: ignore[no-untyped-def]
+def _snapshotter(address: RunAddress, every: int, seconds: float, keep: int, best: str | None,
+                 every_steps: int | None, history: str, holder: str | None):  # type: ignore[no-untyped-def]
     from snapshotter.service import Snapshotter, SnapshotterConfig
     from snapshotter.store import SnapshotStore
 
@@ -300,7 +299,7 @@ def snapshot(
 def snapshotter_cmd(
     every: Every = 100, seconds: Seconds = 600.0, keep: Keep = 3, best: Best = None,
     every_steps: EverySteps = None, history: History = "keep-all", holder: Holder = None,
-    max_snapshots: Annotated[Optional[int], typer.Option("--max-snapshots", help="exit after N snapshots")] = None,
+    max_snapshots: Annotated[int | None, typer.Option("--max-snapshots", help="exit after N snapshots")] = None,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,
 ) -> None:
@@ -358,5 +357,5 @@ def main() -> None:
         raise
 
 
-if __name__ == "__main__":  # python -m replayer.cli, as the rewind script
+if __name__ == "__main__":  # python -m rewind.cli, as the rewind script
     main()

@@ -16,10 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import crypto, knobs, serde
-from .apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
-from .digests import small_digest
-from .errors import (
+from eventlog import crypto, knobs, serde
+from eventlog.digests import small_digest
+from eventlog.errors import (
     DigestMismatchError,
     IntegrityError,
     RunNotFoundError,
@@ -27,9 +26,10 @@ from .errors import (
     TruncatedHistoryError,
     WrongRunError,
 )
-from .events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
-from .ports import CONTROL, EventLog, MessageStream
-from .sharing import WorkBoard, map_shared
+from eventlog.events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
+from eventlog.fold.apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
+from eventlog.fold.sharing import WorkBoard, map_shared
+from eventlog.ports import CONTROL, EventLog, MessageStream
 
 _log = logging.getLogger(__name__)
 
@@ -236,7 +236,7 @@ def fold_shard(
     (the clock starts when a pass ends short, not when the fold starts: a first pass over
     a big shard may itself take longer than ``settle_s``). Versions up to
     ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
-    ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.deferred``);
+    ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.fold.deferred``);
     ``grad_digests=False`` leaves that batch's gradient digests to the seal check, for a
     caller that folds again with them on a mismatch (``replayer.replay``). ``board``: where
     the batch's tiles are posted for other workers of a parallel fold to share.
@@ -391,7 +391,7 @@ def rebuild(
     """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
 
     Shards fold on ``workers`` threads, which share their optimizer tiles and digest
-    tensors (``eventlog.sharing``). ``defer_steps``: batch consecutive optimizer steps;
+    tensors (``eventlog.fold.sharing``). ``defer_steps``: batch consecutive optimizer steps;
     ``grad_digests``: check each batched gradient chunk's digest (see ``fold_shard``)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)

@@ -1,0 +1,161 @@
+"""Rewind's tuning settings: one frozen object, read from the environment once.
+
+Every field has a documented default and an environment override ``REWIND_<FIELD>`` (upper
+case), read the first time ``current()`` is called, never at import. Code that takes
+settings gets them explicitly (``Recorder(..., settings=...)``) or from ``current()``;
+tests change them with ``override(...)``, a context manager, never by patching modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from eventlog.errors import ConfigError
+
+_MiB = 1024 * 1024
+_GiB = 1024 * _MiB
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Tuning settings. Defaults suit a trainer on one machine; each is ``REWIND_<NAME>``."""
+
+    #: Raw bytes of tensor bits per chunk; a chunk is one log message. A multiple of 16 so
+    #: that every dtype's elements stay whole inside a chunk.
+    chunk_bytes: int = 4 * _MiB
+    #: Compression level of blosc2's zstd for XOR deltas.
+    zstd_level: int = 1
+    #: Compression of logged gradients: ``none``, ``blosc2-lz4`` or ``blosc2-zstd``. Raw
+    #: gradients are handed to the replayed optimizer as views of their message.
+    grad_compression: str = "none"
+    #: Threads that encode and decode chunks (0: one per core).
+    codec_threads: int = 0
+    #: Commits that may be queued behind the one being written before ``commit()`` blocks.
+    max_inflight: int = 1
+    #: Tensor shards of a new run.
+    shards: int = 2
+    #: Records fetched per read call while folding a Kafka partition.
+    read_batch: int = 16
+    #: Rows found per read transaction while folding an embedded shard partition.
+    embedded_read_batch: int = 16
+    #: Most optimizer steps a version may hold and still be encoded predictively (beyond
+    #: two, XOR deltas are smaller than the logged gradients).
+    predict_max_steps: int = 2
+    #: Seconds a fold keeps polling a shard whose sealed version is not all visible yet
+    #: (the partitions of one Kafka transaction become readable a moment apart).
+    settle_s: float = 30.0
+    #: Whether parallel replays share torch's intra-op threads among their workers.
+    replay_torch_threads: bool = True
+    #: Tensor chunks of at least this many bytes are kept in the embedded log's segment
+    #: files (read through memory maps); smaller ones stay in SQLite. 0: every chunk.
+    embedded_segment_min_bytes: int = 0
+    #: Size at which the embedded log starts a new segment file for a partition.
+    embedded_segment_bytes: int = _GiB
+    #: Whether a replay to a snapshot's own version maps the snapshot's files.
+    snapshot_map: bool = True
+    #: Whether folds batch consecutive optimizer steps and run them tile by tile.
+    replay_defer_steps: bool = True
+    #: Compressed gradient bytes a shard's fold may hold for batched steps.
+    replay_defer_bytes: int = 256 * _MiB
+    #: Bytes of mapped segment-file views a shard's fold may hold for batched steps.
+    replay_defer_mapped_bytes: int = 16 * _GiB
+    #: Gradient bytes per tile of a batched replay (a cache-sized piece of the state).
+    replay_tile_bytes: int = 4 * _MiB
+    #: glibc's mmap threshold in the ``rewind`` CLI's own process (0: leave malloc alone).
+    malloc_mmap_threshold: int = 32 * _MiB
+    #: Seconds a committed version may wait in the embedded log's WAL before it is
+    #: checkpointed into the database.
+    checkpoint_idle_s: float = 5.0
+    #: Upper bound on any decoded tensor (bytes); a forged shape above it is rejected.
+    max_tensor_bytes: int = 64 * _GiB
+    #: Upper bound on one msgpack small state (bytes).
+    max_small_state_bytes: int = 256 * _MiB
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool):
+                continue
+            if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
+                raise ConfigError(f"setting {f.name} (REWIND_{f.name.upper()}) must be a "
+                                  f"finite number >= 0, got {value}")
+            if isinstance(value, int) and value < 0:
+                raise ConfigError(f"setting {f.name} (REWIND_{f.name.upper()}) must be >= 0, "
+                                  f"got {value}")
+        if self.chunk_bytes < 16 or self.chunk_bytes % 16:
+            raise ConfigError(f"setting chunk_bytes (REWIND_CHUNK_BYTES) must be a positive "
+                              f"multiple of 16, got {self.chunk_bytes}")
+        if self.grad_compression not in ("none", "blosc2-lz4", "blosc2-zstd"):
+            raise ConfigError("setting grad_compression (REWIND_GRAD_COMPRESSION) must be none, "
+                              f"blosc2-lz4 or blosc2-zstd, got {self.grad_compression!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """The defaults, with every ``REWIND_<NAME>`` set in ``env`` (``os.environ``)."""
+        env = os.environ if env is None else env
+        changes: dict[str, object] = {}
+        for f in dataclasses.fields(cls):
+            raw = env.get(f"REWIND_{f.name.upper()}")
+            if not raw:
+                continue
+            kind = type(getattr(_DEFAULTS, f.name))
+            try:
+                if kind is bool:
+                    changes[f.name] = _parse_bool(raw)
+                else:
+                    changes[f.name] = kind(raw)
+            except ValueError:
+                raise ConfigError(f"REWIND_{f.name.upper()}={raw!r} is not a valid "
+                                  f"{kind.__name__}") from None
+        return cls(**changes)  # type: ignore[arg-type]
+
+    def with_changes(self, **changes: object) -> Settings:
+        """A copy with ``changes`` applied (checked like any other)."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def resolved_codec_threads(self) -> int:
+        """Threads for chunk encode/decode: the setting, or one per core."""
+        return self.codec_threads or (os.cpu_count() or 1)
+
+
+def _parse_bool(raw: str) -> bool:
+    if raw.lower() in ("1", "true", "yes", "on"):
+        return True
+    if raw.lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(raw)
+
+
+_DEFAULTS = Settings()
+_lock = threading.Lock()
+_current: Settings | None = None
+
+
+def current() -> Settings:
+    """The process's settings: read from the environment on first use, or overridden."""
+    global _current
+    with _lock:
+        if _current is None:
+            _current = Settings.from_env()
+        return _current
+
+
+@contextmanager
+def override(**changes: object) -> Iterator[Settings]:
+    """Process-wide settings with ``changes`` applied, for the ``with`` block (tests)."""
+    global _current
+    before = current()
+    changed = before.with_changes(**changes)
+    with _lock:
+        _current = changed
+    try:
+        yield changed
+    finally:
+        with _lock:
+            _current = before
