@@ -19,6 +19,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -177,7 +178,7 @@ def encrypt_event(env: Envelope, kr: Keyring) -> Envelope:
         return env
     field, plain, name, chunk = secret
     aad = event_aad(env.run_id, env.gsn, env.shard, name, chunk)
-    body = dataclasses.replace(env.body, **{field: kr.encrypt(plain, aad)})  # type: ignore[type-var]
+    body = _with_field(env.body, field, kr.encrypt(plain, aad))
     return dataclasses.replace(env, body=body, key_id=kr.active)
 
 
@@ -191,4 +192,9 @@ def decrypt_event(env: Envelope, where: str) -> Envelope:
     field, data, name, chunk = secret
     aad = event_aad(env.run_id, env.gsn, env.shard, name, chunk)
     plain = require(env.key_id, where).decrypt(env.key_id, data, aad, where)
-    return dataclasses.replace(env, body=dataclasses.replace(env.body, **{field: plain}))  # type: ignore[type-var]
+    return dataclasses.replace(env, body=_with_field(env.body, field, plain))
+
+
+def _with_field(body: Any, field: str, value: bytes) -> Any:
+    """``body`` with its secret ``field`` replaced (the field is chosen at run time)."""
+    return dataclasses.replace(body, **{field: value})

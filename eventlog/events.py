@@ -236,7 +236,8 @@ class Envelope:
         """Build from a record read with ``return_record_name=True``."""
         name, body = record["body"]
         body_cls = BODY_TYPES[name]
-        fields = {f.name: record.get(f.name) for f in dataclasses.fields(cls) if f.name != "body"}
+        fields: dict[str, Any] = {f.name: record.get(f.name) for f in dataclasses.fields(cls)
+                                  if f.name != "body"}
         return cls(**fields, body=_from_avro(body_cls, body))
 
     @property

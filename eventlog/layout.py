@@ -38,9 +38,9 @@ def assign_shards(
         return sum(nbytes_of(*tensors[n]) for n in group)
 
     for owner, members in sorted(groups.items(), key=lambda g: (-size(g[1]), g[0])):
-        shard = kept.get(owner)
-        if shard is None:
-            shard = min(range(shards), key=lambda s: (load[s], s))
+        kept_shard = kept.get(owner)
+        shard = (kept_shard if kept_shard is not None
+                 else min(range(shards), key=lambda s: (load[s], s)))
         for name in members:
             kept[name] = shard
         load[shard] += size(members)

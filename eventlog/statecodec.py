@@ -65,7 +65,8 @@ def _default(obj: Any) -> Any:
 def pack(obj: Any) -> bytes:
     """Encode a state tree (dicts, lists, tuples, scalars, bytes, arrays, tensors)."""
     try:
-        return msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+        packed: bytes = msgpack.packb(obj, default=_default, use_bin_type=True, strict_types=True)
+        return packed
     except (TypeError, ValueError, OverflowError) as exc:
         raise DecodeError(f"state cannot be recorded: {exc}") from exc
 

@@ -38,16 +38,16 @@ def read_and_hash(fd: int, buf: np.ndarray, board: WorkBoard | None,
         got = _pread_full(fd, buf, 0)
         return got, digest_hex(buf) if hashed else None
     starts = range(0, size, piece_bytes)
-    got = dict.fromkeys(starts, 0)
+    done = dict.fromkeys(starts, 0)
     digest = _InOrderHash(buf, piece_bytes) if hashed else None
 
     def piece(at: int) -> None:
-        got[at] = _pread_full(fd, buf[at:at + piece_bytes], at)
+        done[at] = _pread_full(fd, buf[at:at + piece_bytes], at)
         if digest is not None:
             digest.filled(at)
 
     board.run(starts, piece)
-    return sum(got.values()), digest.hexdigest() if digest is not None else None
+    return sum(done.values()), digest.hexdigest() if digest is not None else None
 
 
 def _pread_full(fd: int, view: np.ndarray, offset: int) -> int:
@@ -55,7 +55,7 @@ def _pread_full(fd: int, view: np.ndarray, offset: int) -> int:
     returns the bytes read."""
     got = 0
     while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
+        n = os.preadv(fd, [view[got:]], offset + got)  # type: ignore[list-item]  # an array is a buffer
         if not n:
             break
         got += n

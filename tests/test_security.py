@@ -28,7 +28,7 @@ from .storage import inline_segments
 from .test_snapshotter import Trainer, _bit_equal
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("eventlog", "snapshotter", "replayer", "schemas", "benchmarks")
+PACKAGES = ("eventlog", "snapshotter", "replayer", "rewind", "schemas", "benchmarks")
 _MODULES = r"(?:c?pickle|_pickle|dill|cloudpickle|shelve|marshal|joblib)"
 _PICKLE = re.compile(rf"\b{_MODULES}\.\w+\s*\(|^\s*(?:import|from)\s+{_MODULES}\b")
 _TORCH_LOAD = re.compile(r"(?<!safetensors\.)\btorch\.load\((?![^)]*weights_only\s*=\s*True)")

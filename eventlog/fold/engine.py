@@ -92,7 +92,7 @@ class ControlIndex:
         recorded, for logs whose older part was truncated)."""
         chosen = fallback
         for _, env in self.run_started:
-            if env.version <= version:
+            if env.version <= version and isinstance(env.body, RunStarted):
                 chosen = env.body
         if chosen is None:
             raise RunNotFoundError("the log has no RunStarted event")

@@ -1,0 +1,62 @@
+"""The layers import one way only: schemas <- eventlog <- snapshotter <- replayer <- rewind.
+
+Every import statement of every module is read (module level and inside functions), so a
+lazy upward import fails here as surely as a top-level one.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["schemas", "eventlog", "snapshotter", "replayer", "rewind"]
+
+
+def _imported(path: Path) -> list[tuple[int, str]]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom) and node.level:
+            found.append((node.lineno, "." * node.level + (node.module or "")))
+    return found
+
+
+def _upward(layer: str) -> list[str]:
+    rank = LAYERS.index(layer)
+    above = set(LAYERS[rank + 1:])
+    bad = []
+    for path in sorted((ROOT / layer).rglob("*.py")):
+        for line, module in _imported(path):
+            top = module.split(".")[0]
+            if module.startswith("."):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: relative import {module}")
+            elif top in above:
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {layer} imports {module}")
+    return bad
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_layer_imports_a_layer_above_it(layer: str) -> None:
+    assert _upward(layer) == []
+
+
+def test_the_check_finds_an_upward_import(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from replayer.replay import replay\n    return replay\n")
+    assert _imported(bad) == [(2, "replayer.replay")]
+
+
+def test_rewind_lists_the_documented_api() -> None:
+    import rewind
+
+    for name in ("Recorder", "Follower", "RunAddress", "RewindError", "replay", "export",
+                 "every_versions", "keep_last"):
+        assert name in rewind.__all__
+        assert getattr(rewind, name) is not None
