@@ -1,9 +1,12 @@
 """``rewind demo``: record PPO on CartPole, SIGKILL it, recover from the log, and compare.
 
-Three trainer subprocesses run the same seeded job: one recorded and killed at a random
-update, the same one resumed from the log to the end, and a reference run that is never
-interrupted. The demo passes only if every state digest of the resumed run equals the
-reference's, bit for bit.
+Three trainer processes (:mod:`rewind.demo.trainer`) run the same seeded job: one recorded
+and killed at a random update, the same one resumed from the log to the end, and a
+reference run that is never interrupted. The demo passes only if every state digest of the
+resumed run equals the reference's, bit for bit.
+
+The embedded demo writes to ``rewind-demo/`` (the run the README's examples address); a
+demo on Kafka writes to ``rewind-demo-kafka/``, so that it never replaces the embedded run.
 """
 
 from __future__ import annotations
@@ -18,16 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from eventlog import RunAddress, Target
+from eventlog.errors import ConfigError, RewindError
 from replayer.replay import replay
+
+__all__ = ["DemoResult", "default_run_dir", "run_demo"]
+
+SNAPSHOT_EVERY = 10
 
 
 @dataclass(frozen=True)
 class DemoResult:
-    """The demo's verdict and the figures behind it."""
+    """The demo's verdict and the figures behind it (``rewind demo`` exits 0 when
+    ``bit_exact``, 1 otherwise)."""
 
     bit_exact: bool
     killed_at: int
@@ -37,33 +46,36 @@ class DemoResult:
     final_digest_reference: str
 
 
+def default_run_dir(log: str | None = None) -> Path:
+    """Where the demo writes when no directory is given: one directory per kind of log."""
+    return Path("rewind-demo" if log is None or log.startswith("sqlite://") else "rewind-demo-kafka")
+
+
 def _digests(path: Path) -> dict[int, str]:
-    out: dict[int, str] = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            row = json.loads(line)
-            out[int(row["step"])] = row["digest"]
-    return out
+    if not path.exists():
+        return {}
+    return {int(row["step"]): str(row["digest"])
+            for row in map(json.loads, path.read_text().splitlines())}
 
 
-def _trainer(args: list[str], progress: Progress, task: object, updates: int) -> int:
-    """Run one trainer subprocess, advancing ``task`` on each finished update."""
-    cmd = [sys.executable, "-m", "rewind.demo.ppo", *args]
+def _trainer(args: list[str], expect: int, progress: Progress, task: TaskID, updates: int) -> None:
+    """Run one trainer process to exit status ``expect``, advancing ``task`` per update."""
+    cmd = [sys.executable, "-m", "rewind.demo.trainer", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     tail: list[str] = []
     for line in proc.stdout:
-        tail = (tail + [line.rstrip()])[-20:]
+        tail = [*tail[-19:], line.rstrip()]
         if line.startswith("update "):
-            progress.update(task, completed=min(updates, int(line.split()[1]) + 1))  # type: ignore[arg-type]
+            progress.update(task, completed=min(updates, int(line.split()[1]) + 1))
     rc = proc.wait()
-    if rc not in (0, -signal.SIGKILL, 137):
-        raise RuntimeError(f"trainer {' '.join(args)} failed ({rc}):\n" + "\n".join(tail))
-    return rc
+    if rc != expect:
+        raise RewindError(f"demo trainer exited with {rc}, expected {expect}: {' '.join(cmd)}\n"
+                          + "\n".join(tail))
 
 
 def run_demo(
-    run_dir: Path,
+    run_dir: Path | None = None,
     *,
     updates: int = 60,
     seed: int = 0,
@@ -71,40 +83,36 @@ def run_demo(
     log: str | None = None,
     coord: str | None = None,
     run: str | None = None,
-    snapshot_every: int = 10,
     console: Console | None = None,
 ) -> DemoResult:
-    """Run the whole demo and print its table; returns the verdict."""
+    """Run the whole demo in ``run_dir`` (default :func:`default_run_dir`) and print its table."""
     console = console or Console()
+    run_dir = default_run_dir(log) if run_dir is None else run_dir
     if kill_at is None:
         kill_at = random.SystemRandom().randint(1, max(1, updates - 2))
     if not 0 <= kill_at < updates:
-        raise ValueError(f"--kill-at must be in [0, {updates}), got {kill_at}")
+        raise ConfigError(f"--kill-at must be in [0, {updates}), got {kill_at}")
     crashed, reference = run_dir / "recorded", run_dir / "reference"
     for d in (crashed, reference):
         shutil.rmtree(d, ignore_errors=True)
     run_id = run or f"demo-{random.SystemRandom().randrange(16**8):08x}"
     log_url = log or f"sqlite://{(crashed / 'rewind.db').resolve()}"
-    address = RunAddress(log_url, coord or log_url, run_id,
-                         f"file://{(crashed / 'snapshots').resolve()}")
-    common = ["--updates", str(updates), "--seed", str(seed), "--quiet-progress"]
-    rec = ["--record", "--log", address.log_url, "--coord", address.coord_url, "--run", run_id,
-           "--snapshots", f"file://{(crashed / 'snapshots').resolve()}",
-           "--snapshot-every", str(snapshot_every)]
+    address = RunAddress(log_url, coord or log_url, run_id, f"file://{(crashed / 'snapshots').resolve()}")
+    common = ["--updates", str(updates), "--seed", str(seed)]
+    recorded = ["--run-dir", str(crashed), *common, "--digest-file", str(crashed / "digests.jsonl"),
+                "--record", "--log", address.log_url, "--coord", address.coord_url, "--run", run_id,
+                "--snapshot-every", str(SNAPSHOT_EVERY)]
 
-    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
+    columns = (TextColumn("{task.description:<34}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as progress:
         t1 = progress.add_task(f"train (SIGKILL at update {kill_at})", total=updates)
-        _trainer(["--run-dir", str(crashed), *common, *rec, "--kill-at", str(kill_at),
-                  "--digest-file", str(crashed / "digests.jsonl")], progress, t1, updates)
+        _trainer([*recorded, "--kill-at", str(kill_at)], -signal.SIGKILL, progress, t1, updates)
         progress.update(t1, description=f"train (killed at update {kill_at})")
         t2 = progress.add_task("recover from the log, continue", total=updates)
-        _trainer(["--run-dir", str(crashed), *common, *rec,
-                  "--digest-file", str(crashed / "digests.jsonl")], progress, t2, updates)
+        _trainer(recorded, 0, progress, t2, updates)
         t3 = progress.add_task("reference run, never interrupted", total=updates)
-        _trainer(["--run-dir", str(reference), *common,
-                  "--digest-file", str(reference / "digests.jsonl")], progress, t3, updates)
+        _trainer(["--run-dir", str(reference), *common, "--digest-file", str(reference / "digests.jsonl")],
+                 0, progress, t3, updates)
 
     restored = json.loads((crashed / "restore.json").read_text())
     _, report = replay(address, Target())
@@ -117,7 +125,7 @@ def run_demo(
     table = Table(title=f"rewind demo: PPO on CartPole-v1, run {run_id}")
     table.add_column("what")
     table.add_column("value", overflow="fold")
-    rows = [
+    for k, v in (
         ("updates", str(updates)),
         ("killed (SIGKILL) during update", str(kill_at)),
         ("recovered version / step", f"{restored['version']} / {restored['step']}"),
@@ -129,9 +137,10 @@ def run_demo(
         ("steps compared, mismatched", f"{len(same_steps)}, {len(mismatched)}"),
         ("final digest, recovered run", final_got),
         ("final digest, reference run", final_want),
+        ("run directory", str(run_dir)),
         ("log", address.log_url),
-    ]
-    for k, v in rows:
+    ):
         table.add_row(k, v)
     console.print(table)
     return DemoResult(exact, kill_at, restored["version"], restored["step"], final_got, final_want)
+
