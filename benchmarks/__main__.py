@@ -142,7 +142,8 @@ def table(results: dict[str, Any]) -> Table:
                   *verdict("replay_speedup_2_vs_1"))
         if r.get("speedup_2_vs_1_torch_1_thread") is not None:
             t.add_row("", f"{tail}, 1 worker, torch on 1 thread", _f(r["workers_1_torch_1_thread"], "s"),
-                      _f(r["torch_load"], "s"), _f(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
+                      _f(r["torch_load"], "s"),
+                      _f(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
                       "", "")
             t.add_row("", "speedup 2 workers vs that", _f(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
                       "", "", "", "")
@@ -150,7 +151,8 @@ def table(results: dict[str, Any]) -> Table:
             load = r["torch_load"]
 
             def against_load(label: str, seconds: float | None, note: str = "") -> None:
-                t.add_row("", label, _f(seconds, "s"), _f(load, "s"), _f(_div(seconds, load), "x", 2), "", note)
+                t.add_row("", label, _f(seconds, "s"), _f(load, "s"), _f(_div(seconds, load), "x", 2), "",
+                          note)
 
             parts = " + ".join(_f(r[k], "s") for k in ("floor_read_2", "floor_steps_2", "floor_checks_2"))
             against_load("floor, 1 worker: read + steps + checks", r["floor_1_worker"])
@@ -171,7 +173,8 @@ def table(results: dict[str, Any]) -> Table:
             t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")
         if r.get("adam_tiles_speedup_2_vs_1") is not None:
-            t.add_row("", "tiled fused Adam alone, 2 threads vs 1", _f(r["adam_tiles_speedup_2_vs_1"], "x", 2),
+            t.add_row("", "tiled fused Adam alone, 2 threads vs 1",
+                      _f(r["adam_tiles_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")
         if r.get("snapshot_only_2_workers") is not None:
             t.add_row("", "snapshot alone (no tail, read), 2 workers", _f(r["snapshot_only_2_workers"], "s"),

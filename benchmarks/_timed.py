@@ -39,7 +39,8 @@ def main(argv: list[str]) -> int:
         log_url, coord_url, run_id, snaps, workers, target = argv[1:7]
         address = RunAddress(log_url, coord_url, run_id, snaps or None)
         t0 = time.perf_counter()
-        state, report = replay(address, Target.parse(target), workers=int(workers))
+        state, report = replay(address, Target.parse(target), workers=int(workers),
+                               share_torch_threads=True)  # as the rewind CLI's replays do
         seconds = time.perf_counter() - t0
         print(json.dumps({"seconds": seconds, "version": report.version,
                           "snapshot_version": report.snapshot_version,

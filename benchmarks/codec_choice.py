@@ -69,7 +69,7 @@ def _candidates() -> dict[str, Callable[[np.ndarray], bytes]]:
 def main() -> None:
     versions = _adam_versions()
     deltas = []
-    for prev, new in zip(versions[1:], versions[2:]):
+    for prev, new in zip(versions[1:], versions[2:], strict=False):
         deltas.append({k: (new[k].view(np.uint32) ^ prev[k].view(np.uint32)) for k in new})
     raw = sum(a.nbytes for d in deltas for a in d.values())
     print(f"{len(deltas)} XOR deltas of real Adam steps, {raw / 1e6:.0f} MB raw (params+moments)")

@@ -59,11 +59,12 @@ def run_codec(codec: str, params: int, steps: int, root: Path, log: Any = print)
         raw = res.raw_bytes
     gc.collect()
     t0 = time.perf_counter()
-    state = rebuild(address.open_log(), Target("version", DECODE_VERSIONS), workers=2)
+    state = rebuild(address.open_log(), Target("version", DECODE_VERSIONS), workers=2,
+                    share_torch_threads=True)
     decode_s = time.perf_counter() - t0
     del state
     gc.collect()
-    latest = rebuild(address.open_log(), Target(), workers=2)
+    latest = rebuild(address.open_log(), Target(), workers=2, share_torch_threads=True)
     _check(latest, work)
     predictive = sum(e.startswith("predictive/") for e in encodings)
     return {

@@ -43,11 +43,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from eventlog import RunAddress, Target, knobs, optimstep
+from eventlog import RunAddress, Target, optimstep
 from eventlog.fold.apply import ShardState
 from eventlog.fold.deferred import READS_GRADS_ONLY, DeferredSteps, part_cuts
 from eventlog.fold.engine import ControlIndex, FoldStart, fold_shard, index_control
 from eventlog.ports import EventLog
+from eventlog.settings import current
 from snapshotter.catalog import markers, newest_valid
 from snapshotter.store import SnapshotStore
 
@@ -79,7 +80,7 @@ def measure_steps(address: RunAddress, repeats: int) -> dict[str, Any]:
     if snapshot_id is None:
         raise SystemExit(f"cannot tell which snapshot {start.source!r} is")
     files = sorted(store.directory(address.run_id, snapshot_id).glob("shard-*.safetensors"))
-    parted = [_parts(c, knobs.REPLAY_TILE_BYTES // len(calls)) for c in calls]
+    parted = [_parts(c, current().replay_tile_bytes // len(calls)) for c in calls]
     counters = [(s, s.clone()) for plan in (calls, parted) for c in plan for call in c
                 for st in call[4] for s in st.values() if s.numel() == 1]
 
@@ -166,7 +167,8 @@ def _parts(calls: list[Call], part_bytes: int) -> list[Call]:
         else:
             for at, n in ((skip // size, m // size) for skip, m in cuts):
                 counters: dict[int, torch.Tensor] = {}
-                out.extend((o, h, [_cut(p, at, n, counters) for p in ps], [_cut(x, at, n, counters) for x in gs],
+                out.extend((o, h, [_cut(p, at, n, counters) for p in ps],
+                            [_cut(x, at, n, counters) for x in gs],
                             [{k: _cut(v, at, n, counters) for k, v in st.items()} for st in sts], gr)
                            for o, h, ps, gs, sts, gr in group)
         group.clear()

@@ -225,7 +225,7 @@ def profile_replays(console: Console, addr: RunAddress) -> None:
     for workers in (1, 2):
         T.reset()
         t0 = time.perf_counter()
-        state, report = replay_mod.replay(addr, Target(), workers=workers)
+        state, report = replay_mod.replay(addr, Target(), workers=workers, share_torch_threads=True)
         wall = time.perf_counter() - t0
         snap_version = report.snapshot_version
         raw = sum(t.bits.nbytes for s in state.shards for t in s.tensors.values())
@@ -236,7 +236,7 @@ def profile_replays(console: Console, addr: RunAddress) -> None:
     if snap_version:
         T.reset()
         t0 = time.perf_counter()
-        replay_mod.replay(addr, Target("version", snap_version), workers=2)
+        replay_mod.replay(addr, Target("version", snap_version), workers=2, share_torch_threads=True)
         wall = time.perf_counter() - t0
         show(console, "replay to the snapshot's own version (no tail), 2 workers", wall, raw,
              REPLAY_ORDER)
@@ -276,7 +276,8 @@ def primitives(console: Console, work: Workload, prev: dict[str, np.ndarray],
     comp = [tc._compress(x, 4) for x in xors]
     ser = serde_mod.EnvelopeSerializer()
     deltas = [TensorDelta("t", "float32", (a.nbytes // 4,), 0, 1, 0, a.nbytes, "XOR",
-                          "blosc2-zstd", 1, tc.digest(a), c) for (a, _, _), c in zip(pairs, comp)]
+                          "blosc2-zstd", 1, tc.digest(a), c)
+              for (a, _, _), c in zip(pairs, comp, strict=True)]
     msgs = [ser(Envelope("run", i + 1, 2, 2, 0, "w", 0, d)) for i, d in enumerate(deltas)]
     outbuf = [np.empty(a.nbytes, np.uint8) for a, _, _ in pairs]
 

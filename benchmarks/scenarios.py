@@ -261,7 +261,7 @@ def throughput_of(r: Recording) -> dict[str, Any]:
     dur = r.deltas(r.durable)
     return {
         "mb_s": sum(raw) / sum(dur) / MB if dur else None,
-        "median_version_mb_s": med([b / t / MB for b, t in zip(raw, dur)]),
+        "median_version_mb_s": med([b / t / MB for b, t in zip(raw, dur, strict=True)]),
         "median_durable_s": med(dur),
         "full_commit_s": r.durable[0] if r.durable else None,
         "versions": len(dur),
@@ -277,7 +277,7 @@ def torch_save_fsync_mb_s(r: Recording) -> float | None:
 def bytes_ratio_of(r: Recording) -> dict[str, Any]:
     raw, enc = r.deltas(r.raw), r.deltas(r.encoded)
     return {
-        "ratio": med([e / b for e, b in zip(enc, raw)]) if raw else None,
+        "ratio": med([e / b for e, b in zip(enc, raw, strict=True)]) if raw else None,
         "aggregate": sum(enc) / sum(raw) if raw else None,
         "full_commit": r.encoded[0] / r.raw[0] if r.raw else None,
         "raw_state_bytes": r.raw_state_bytes,
@@ -325,7 +325,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     crash; the replayed bits are checked against the live state once, in this process."""
     from replayer.replay import replay
 
-    state, report = replay(address, Target(), workers=2)
+    state, report = replay(address, Target(), workers=2, share_torch_threads=True)
     _check_bits(state, work)
     del state
     gc.collect()
@@ -400,7 +400,8 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     step_s = med(work.optimizer_step_s[-20:])
     budget = None
     if per_version and load is not None and s0 is not None:
-        budget = max(0, int((RECOVERY_LIMIT * load - s0) // per_version)) if RECOVERY_LIMIT * load >= s0 else -1
+        allowed = RECOVERY_LIMIT * load
+        budget = max(0, int((allowed - s0) // per_version)) if allowed >= s0 else -1
     return {
         "workers_1": w1,
         "workers_2": w2,
@@ -650,7 +651,10 @@ def follower_sync(cfg: Config, address: RunAddress, work: Workload,
             modes.append(res.mode)
             cfg.log(f"  follower one version ({res.mode}): {incr[-1]:.2f} s to v{res.version_after}")
         live = work.model.state_dict()
-        same = all(torch.equal(live[k].view(torch.uint8) if live[k].dtype != torch.bool else live[k], v.view(torch.uint8) if v.dtype != torch.bool else v)
+        def bits(t: torch.Tensor) -> torch.Tensor:
+            return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+        same = all(torch.equal(bits(live[k]), bits(v))
                    for k, v in shadow.state_dict().items())
     finally:
         fol.close()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 CONTROL_SHARD = -1
 
@@ -156,20 +156,9 @@ class OptimizerStep:
     predicted_digests: tuple[bytes, ...] = field(repr=False)
 
 
-SmallState = Union[SchedulerStep, RngAdvance, SamplerCursor, CustomState]
-Body = Union[
-    RunStarted,
-    TensorDelta,
-    CommitSealed,
-    SchedulerStep,
-    RngAdvance,
-    SamplerCursor,
-    Metrics,
-    SnapshotBegin,
-    SnapshotEnd,
-    CustomState,
-    OptimizerStep,
-]
+SmallState = SchedulerStep | RngAdvance | SamplerCursor | CustomState
+Body = (RunStarted | TensorDelta | CommitSealed | SchedulerStep | RngAdvance | SamplerCursor | Metrics
+        | SnapshotBegin | SnapshotEnd | CustomState | OptimizerStep)
 
 BODY_TYPES: dict[str, type[Any]] = {
     f"rewind.{cls.__name__}": cls

@@ -15,9 +15,9 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
-from eventlog import knobs
 from eventlog.errors import ConfigError
 from eventlog.events import CONTROL_SHARD
+from eventlog.settings import current
 
 CONTROL = CONTROL_SHARD
 
@@ -62,8 +62,9 @@ class LogTransaction(abc.ABC):
     def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
         """Queue one message for ``partition``; visible only if the transaction commits.
 
-        ``bulk_at``: where the message's bulk field (a tensor chunk's payload) begins. A store that can keep it aligned, and hand it to
-        readers as a view instead of a copy, does so; others ignore it."""
+        ``bulk_at``: where the message's bulk field (a tensor chunk's payload) begins. A store
+        that can keep it aligned, and hand it to readers as a view instead of a copy, does so;
+        others ignore it."""
 
 
 class LogWriter(abc.ABC):
@@ -78,7 +79,7 @@ class LogWriter(abc.ABC):
         Raises ``FencedError`` at commit if a newer writer with the same id took over.
         """
 
-    def maintenance_window(self) -> None:
+    def maintenance_window(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """A hint that the caller's latency-critical work is done (the recorder calls it
         right after ``commit()`` has copied the state): deferred maintenance may run now.
         Does nothing unless a backend has such work."""
@@ -93,6 +94,9 @@ class EventLog(abc.ABC):
 
     run_id: str
     url: str
+    #: Whether every offset from the start offset to the end offset holds a committed
+    #: record (Kafka's transaction markers take offsets of their own: not there).
+    dense_offsets: bool = False
 
     @abc.abstractmethod
     def create(self, shards: int) -> None:
@@ -126,6 +130,11 @@ class EventLog(abc.ABC):
         diagnostic when a read comes up short; empty if there is nothing to tell."""
         return ""
 
+    def record_file(self, partition: int, offset: int | None = None) -> str:
+        """Where the record at ``offset`` of ``partition`` is kept (a file, or the log's
+        address), for a report naming a damaged record; ``None``: where the partition is."""
+        return self.url
+
     @abc.abstractmethod
     def truncate_before(self, partition: int, offset: int) -> None:
         """Delete the records of ``partition`` below ``offset``."""
@@ -146,7 +155,7 @@ class EventLog(abc.ABC):
 
     def scan_batch(self, partition: int) -> int:
         """Records per ``read`` call when a fold scans ``partition`` (``scan(batch=...)``)."""
-        return knobs.READ_BATCH
+        return current().read_batch
 
     def partitions(self) -> list[int]:
         """Control first, then every shard partition."""

@@ -4,7 +4,7 @@ A tensor chunk message (4 MiB) kept in SQLite is read back by copying it out of 
 database's pages: a 100M-param replay copies 4 GB that way, and that copy was the part of
 the fold that two cores did not speed up. Kept in a segment file, a chunk is read through a
 read-only memory map instead: its payload is a view of the page cache, handed to the
-optimizer without any copy. The replay of the benchmark's log took 1.3x less time.
+optimizer without any copy.
 
 Layout: ``<database>.segments/<run>/p<partition>-<first offset>.seg``. SQLite stays the
 source of truth: a record's row names its file, position and length, and it commits only
@@ -21,12 +21,11 @@ so that the field starts on a 2 MiB boundary (``HUGE_ALIGN``). Linux, on file sy
 large folios (XFS; ext4 since 6.16), then keeps each whole 2 MiB of the payload in one
 page cache folio, when it finds a free 2 MiB block as the bytes are written, and a map of
 the file maps such a folio with one page fault, where 4 KiB pages take one fault per 16
-(fault-around). A replay reads gigabytes of gradients through maps: touching 1 GB of them
-took 0.05-0.065 s in 4 KiB pages and 0.006 s in 2 MiB folios on the benchmark's VM. The
-gap before such a payload is never written, so it is a hole where the file system has
-them: it costs file size (address space), not disk blocks; a 4 MiB chunk takes 6 MiB of
-file. A copy that does not keep holes (``cp --sparse=never``, ``rsync`` without ``-S``)
-makes the gaps real.
+(fault-around). A replay reads gigabytes of gradients through maps, so those faults are a
+visible part of its time (figures: docs/performance.md). The gap before such a payload is
+never written, so it is a hole where the file system has them: it costs file size
+(address space), not disk blocks; a 4 MiB chunk takes 6 MiB of file. A copy that does not
+keep holes (``cp --sparse=never``, ``rsync`` without ``-S``) makes the gaps real.
 """
 
 from __future__ import annotations
@@ -251,8 +250,8 @@ class Reader:
 
     def close(self) -> None:
         """Let go of every map. Unmapping is left to a background thread: a map whose pages
-        a replay touched takes the kernel a while to tear down (0.15 s for the 4 GB a 100M
-        replay with a 10-version tail reads), and the caller's result is ready before that.
+        a replay touched takes the kernel a while to tear down, and the caller's result is
+        ready before that.
         The reader's own descriptors are closed here; each map holds a descriptor of its own
         until it is unmapped, and a view handed out keeps its map (and that descriptor)."""
         with self._lock:

@@ -1,9 +1,11 @@
 """Rewind's tuning settings: one frozen object, read from the environment once.
 
 Every field has a documented default and an environment override ``REWIND_<FIELD>`` (upper
-case), read the first time ``current()`` is called, never at import. Code that takes
-settings gets them explicitly (``Recorder(..., settings=...)``) or from ``current()``;
-tests change them with ``override(...)``, a context manager, never by patching modules.
+case), read the first time ``current()`` is called, never at import. The entry points take
+them explicitly (``Recorder(..., settings=...)``, ``replay(..., settings=...)``); internals
+read ``current()``. Tests change them with ``override(...)``, a context manager, never by
+patching modules. The two process-wide fields (``malloc_mmap_threshold``,
+``replay_torch_threads``) take effect only in the ``rewind`` CLI's own process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 from eventlog.errors import ConfigError
 
@@ -50,7 +53,8 @@ class Settings:
     #: Seconds a fold keeps polling a shard whose sealed version is not all visible yet
     #: (the partitions of one Kafka transaction become readable a moment apart).
     settle_s: float = 30.0
-    #: Whether parallel replays share torch's intra-op threads among their workers.
+    #: Whether the ``rewind`` CLI's parallel replays share torch's intra-op threads among
+    #: their workers (process-wide; a library call never changes torch's thread count).
     replay_torch_threads: bool = True
     #: Tensor chunks of at least this many bytes are kept in the embedded log's segment
     #: files (read through memory maps); smaller ones stay in SQLite. 0: every chunk.
@@ -79,14 +83,21 @@ class Settings:
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, bool):
+            value, kind = getattr(self, f.name), type(f.default)
+            if kind is float and type(value) is int:
+                value = float(value)
+                object.__setattr__(self, f.name, value)  # frozen: the one place it is set
+            if type(value) is not kind:
+                raise ConfigError(f"setting {f.name} (REWIND_{f.name.upper()}) must be "
+                                  f"{_KIND_WORDS[kind]}, got {value!r}")
+            if kind is bool:
                 continue
             if isinstance(value, float) and not (math.isfinite(value) and value >= 0):
                 raise ConfigError(f"setting {f.name} (REWIND_{f.name.upper()}) must be a "
                                   f"finite number >= 0, got {value}")
-            if isinstance(value, int) and value < 0:
-                raise ConfigError(f"setting {f.name} (REWIND_{f.name.upper()}) must be >= 0, "
+            least = 1 if f.name in _AT_LEAST_ONE else 0
+            if isinstance(value, int) and value < least:
+                raise ConfigError(f"setting {f.name} (REWIND_{f.name.upper()}) must be >= {least}, "
                                   f"got {value}")
         if self.chunk_bytes < 16 or self.chunk_bytes % 16:
             raise ConfigError(f"setting chunk_bytes (REWIND_CHUNK_BYTES) must be a positive "
@@ -104,7 +115,7 @@ class Settings:
             raw = env.get(f"REWIND_{f.name.upper()}")
             if not raw:
                 continue
-            kind = type(getattr(_DEFAULTS, f.name))
+            kind: type[Any] = type(f.default)
             try:
                 if kind is bool:
                     changes[f.name] = _parse_bool(raw)
@@ -117,11 +128,20 @@ class Settings:
 
     def with_changes(self, **changes: object) -> Settings:
         """A copy with ``changes`` applied (checked like any other)."""
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise ConfigError(f"no setting named {', '.join(unknown)}")
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
     def resolved_codec_threads(self) -> int:
         """Threads for chunk encode/decode: the setting, or one per core."""
         return self.codec_threads or (os.cpu_count() or 1)
+
+
+_KIND_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+#: Counts that zero would make meaningless (no shard, no read, no room in the queue).
+_AT_LEAST_ONE = frozenset({"shards", "max_inflight", "read_batch", "embedded_read_batch",
+                           "replay_tile_bytes", "embedded_segment_bytes"})
 
 
 def _parse_bool(raw: str) -> bool:
@@ -132,7 +152,6 @@ def _parse_bool(raw: str) -> bool:
     raise ValueError(raw)
 
 
-_DEFAULTS = Settings()
 _lock = threading.Lock()
 _current: Settings | None = None
 
@@ -140,6 +159,9 @@ _current: Settings | None = None
 def current() -> Settings:
     """The process's settings: read from the environment on first use, or overridden."""
     global _current
+    found = _current  # the common case, without the lock: a global's read is atomic
+    if found is not None:
+        return found
     with _lock:
         if _current is None:
             _current = Settings.from_env()

@@ -15,8 +15,8 @@ import msgpack
 import numpy as np
 import torch
 
-from eventlog import knobs
 from eventlog.errors import DecodeError
+from eventlog.settings import current
 from eventlog.tensorcodec import DTYPES, dtype_name, nbytes_of
 
 _EXT_TUPLE = 1
@@ -102,7 +102,8 @@ def _ext_hook(code: int, data: bytes) -> Any:
                 raise DecodeError(f"tensor ext: unknown dtype {dt!r}")
             if nbytes_of(dt, shape) != len(raw):
                 raise DecodeError(f"tensor ext: {len(raw)} bytes do not fill shape {shape} of {dt}")
-            t = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+            t = (torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw
+                 else torch.empty(0, dtype=torch.uint8))
             return t.view(DTYPES[dt]).reshape(shape)
         if dt not in _NUMPY_DTYPES and not (isinstance(dt, str) and dt.replace(">", "<") in _NUMPY_DTYPES):
             raise DecodeError(f"ndarray ext: dtype {dt!r} not allowed")
@@ -115,8 +116,10 @@ def _ext_hook(code: int, data: bytes) -> Any:
 
 def unpack(data: bytes, where: str = "small state") -> Any:
     """Decode a state tree, or raise ``DecodeError`` naming ``where``."""
-    if len(data) > knobs.MAX_SMALL_STATE_BYTES:
-        raise DecodeError(f"{where}: {len(data)} bytes exceeds the small-state limit")
+    most = current().max_small_state_bytes
+    if len(data) > most:
+        raise DecodeError(f"{where}: {len(data)} bytes exceeds the small-state limit of {most} "
+                          "(REWIND_MAX_SMALL_STATE_BYTES)")
     try:
         return msgpack.unpackb(
             data,

@@ -2,15 +2,12 @@
 
 A replay reads thousands of tensor-chunk payloads of 4 MiB, each a new ``bytes`` object,
 freed once its optimizer step or delta has run. With glibc's default, whose mmap threshold
-adapts as large blocks are freed, replays ran 10-12% slower than with the threshold fixed
-at 32 MiB (all payloads served from the heap, none by ``mmap``). What was measured is the
-time, not the mechanism: the likely cause is payloads landing in pages the kernel must
-fault in and zero again (about 1 GB/s on the VM the benchmarks ran on, against 6 GB/s
-for a copy into memory already touched).
+adapts as large blocks are freed, replays run slower than with the threshold fixed at
+32 MiB (all payloads served from the heap, none by ``mmap``; figures: docs/performance.md).
+The likely cause is payloads landing in fresh pages that the kernel must fault in and zero
+again, which is much slower than copying into memory already touched.
 
-``benchmarks.compare`` on a recorded 100M replay (snapshot + 10 versions), 5 interleaved
-fresh processes: 1 worker 3.450 -> 3.138 s, 2 workers 2.701 -> 2.404 s. The cost: memory
-freed by the process may go back to the kernel later. So only processes that Rewind owns
+The cost: memory freed by the process may go back to the kernel later. So only processes that Rewind owns
 call this (the CLI), and not when the user set glibc's malloc tunables; a trainer that
 restores in-process keeps its allocator as it was.
 """
@@ -21,17 +18,17 @@ import ctypes
 import os
 import platform
 
-from eventlog import knobs
+from eventlog.settings import Settings, current
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc's malloc.h).
 _M_MMAP_THRESHOLD = -3
 
 
-def tune_for_replay() -> bool:
-    """Fix glibc's mmap threshold at ``knobs.MALLOC_MMAP_THRESHOLD`` (0: leave malloc
+def tune_for_replay(settings: Settings | None = None) -> bool:
+    """Fix glibc's mmap threshold at ``settings.malloc_mmap_threshold`` (0: leave malloc
     alone). Returns whether the setting took; a no-op on other C libraries, and where the
     environment sets glibc's malloc thresholds itself."""
-    threshold = knobs.MALLOC_MMAP_THRESHOLD
+    threshold = (settings or current()).malloc_mmap_threshold
     if threshold <= 0 or platform.libc_ver()[0] != "glibc" or _user_tuned():
         return False
     try:

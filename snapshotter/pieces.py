@@ -1,7 +1,7 @@
 """Reading a snapshot file into memory and hashing it, in pieces that replay workers share.
 
-Two equal shard files read on two threads finished up to 0.1 s apart at 100M, one core
-idle meanwhile, and then each file's xxh3 ran on one thread after its last byte was read.
+Two equal shard files read on two threads do not finish together, and one core idles
+meanwhile; then each file's xxh3 would run on one thread after its last byte was read.
 Here a file is read in ``PIECE``-byte pieces posted on the replay's ``WorkBoard``, so a
 worker done with its own file reads the rest of the other's; and the file is hashed as it
 fills, in order, by whichever thread completes the next piece, so the checksum is ready

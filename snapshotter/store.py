@@ -24,7 +24,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto, knobs
+from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto
 from eventlog.durability import fsync_dir
 from eventlog.fold.apply import ShardState, TensorBits
 from eventlog.fold.engine import SmallStates
@@ -322,16 +322,12 @@ class SnapshotStore:
             use_bin_type=True,
         ))
         with ThreadPoolExecutor(max(1, workers)) as pool:
-            entries = []
-            for i, entry in enumerate(pool.map(write_shard, shards)):
-                entries.append(entry)
-                knobs.fault_point("snapshot", "files", i)
+            entries = list(pool.map(write_shard, shards))
         _atomic_write(folder / "small.msgpack", small_bytes)
         entries.append(FileEntry("small.msgpack", len(small_bytes), digest_hex(small_bytes)))
         fsync_dir(folder)
         if before_manifest is not None:
             before_manifest()
-        knobs.fault_point("snapshot", "manifest")
         full = _with_files(manifest, entries, keys.active if keys else None)
         data = full.to_bytes()
         _atomic_write(folder / MANIFEST, data)
@@ -370,9 +366,9 @@ class SnapshotStore:
 
         ``mapped``: a private map of the (plaintext) file instead. Its pages stay the page
         cache's until written, so a state that is only read costs no copy and no fresh
-        pages (a replay to the snapshot's own version took 0.17 s instead of 0.51 s at 100M);
-        each page written later is copied then, one fault at a time, which made a replay
-        that steps through a 10-version tail 2x slower. Snapshot files are never rewritten
+        pages; each page written later is copied then, one fault at a time, which makes a
+        replay that steps through a tail slower than reading the file (figures:
+        docs/performance.md). Snapshot files are never rewritten
         in place, so the map cannot shrink under the state.
 
         ``checked=False`` skips the xxh3 checksum, for a caller that checks what it builds

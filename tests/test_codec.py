@@ -129,7 +129,8 @@ def _seeded_bits(kind: str, dtype: torch.dtype, n: int, seed: int) -> bytes:
     if kind == "random":
         return rng.randbytes(n * size)
     if kind == "special":  # special patterns mixed with noise
-        return b"".join(rng.choice(SPECIAL[dtype]) if rng.random() < 0.5 else rng.randbytes(size) for _ in range(n))
+        return b"".join(rng.choice(SPECIAL[dtype]) if rng.random() < 0.5 else rng.randbytes(size)
+                        for _ in range(n))
     if kind == "sparse":  # mostly zeros with special patterns sprinkled in: compresses well
         zero = bytes(size)
         return b"".join(rng.choice(SPECIAL[dtype]) if rng.random() < 0.03 else zero for _ in range(n))
@@ -181,7 +182,8 @@ def second_version(draw: st.DrawFn, dtype: torch.dtype, raw: bytes) -> bytes:
         return bytes(b & 1 for b in new) if dtype == torch.bool else new
     out = bytearray(raw)
     bit_choices = [0] if dtype == torch.bool else list(range(8))
-    flips = draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from(bit_choices)), min_size=1, max_size=12))
+    flips = draw(st.lists(st.tuples(st.integers(0, n - 1), st.sampled_from(bit_choices)),
+                          min_size=1, max_size=12))
     for byte, bit in flips:
         out[byte] ^= 1 << bit
     return bytes(out)
@@ -245,11 +247,13 @@ def test_codec_round_trip_is_bit_exact(
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(case=tensor_case(), chunk_bytes=CHUNK_SIZES)
-def test_unchanged_tensor_writes_nothing(case: tuple[torch.dtype, tuple[int, ...], bytes], chunk_bytes: int) -> None:
+def test_unchanged_tensor_writes_nothing(case: tuple[torch.dtype, tuple[int, ...], bytes],
+                                         chunk_bytes: int) -> None:
     dtype, shape, raw = case
     bits = tensorcodec.tensor_bits(make_tensor(raw, dtype, shape))
     same = bits.copy()
-    assert tensorcodec.encode_tensor(same, bits, typesize=itemsize(dtype), base_version=3, chunk_bytes=chunk_bytes) == []
+    assert tensorcodec.encode_tensor(same, bits, typesize=itemsize(dtype), base_version=3,
+                                     chunk_bytes=chunk_bytes) == []
 
 
 def test_first_commit_is_full_and_small_change_is_xor() -> None:
@@ -418,7 +422,8 @@ def _record_and_restore(tmp_path: Path, with_empty: bool) -> None:
     assert sum(v for p, v in per_partition.items() if p >= 0) > n_tensors, "expected multi-chunk tensors"
 
     fresh = ManyDtypes(seed=999, with_empty=with_empty)
-    differs = [k for k, v in fresh.state_dict().items() if v.numel() and not torch.equal(u8(v), u8(history[4][k]))]
+    differs = [k for k, v in fresh.state_dict().items()
+               if v.numel() and not torch.equal(u8(v), u8(history[4][k]))]
     assert len(differs) >= 10, "the fresh model must start from other bits, or the test proves nothing"
     with Recorder(address, fresh, rng=False, chunk_bytes=48) as rec:
         result = rec.restore()
@@ -436,7 +441,8 @@ def _record_and_restore(tmp_path: Path, with_empty: bool) -> None:
             tensors = state.tensors()
             for name, want in history[version].items():
                 tb = tensors[f"model/{name}"]
-                assert_bit_identical(tensorcodec.bits_to_tensor(tb.bits, tb.dtype, tb.shape), want, f"v{version} {name}")
+                assert_bit_identical(tensorcodec.bits_to_tensor(tb.bits, tb.dtype, tb.shape), want,
+                                     f"v{version} {name}")
 
 
 def test_recorder_restores_every_dtype_bit_exact(tmp_path: Path) -> None:

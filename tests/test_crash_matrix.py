@@ -2,7 +2,7 @@
 check the final run is bit-identical to one that was never interrupted.
 
 Half of the kill points fall between updates (the work of the update is lost), half inside
-a commit's log transaction (``REWIND_FAULT_KILL``: the version must not appear at all).
+a commit's log transaction (``tests.faulthook``: the version must not appear at all).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from eventlog import RunAddress, Target
 from eventlog.fold.engine import index_control, rebuild
 
 from .conftest import make_address
+from .faulthook import killing_at
 
 UPDATES = 14
 TRAINER = ["--updates", str(UPDATES), "--rollout-steps", "64", "--epochs", "2", "--quiet"]
@@ -28,13 +29,12 @@ TRAINER = ["--updates", str(UPDATES), "--rollout-steps", "64", "--epochs", "2", 
 
 def _trainer(run_dir: Path, *extra: str, env: dict[str, str] | None = None,
              address: RunAddress | None = None) -> int:
-    cmd = [sys.executable, "-m", "rewind.demo.ppo", "--run-dir", str(run_dir), *TRAINER,
+    cmd = [sys.executable, "-m", "rewind.demo.trainer", "--run-dir", str(run_dir), *TRAINER,
            "--digest-file", str(run_dir / "digests.jsonl"), *extra]
     if address is not None:
         cmd += ["--record", "--log", address.log_url, "--coord", address.coord_url,
                 "--run", address.run_id]
-    proc = subprocess.run(cmd, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(cmd, env=env or dict(os.environ), capture_output=True, text=True, timeout=300)
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"trainer failed ({proc.returncode}): {proc.stderr[-2000:]}")
     return proc.returncode
@@ -80,8 +80,7 @@ def test_twenty_random_kills_then_resume_is_bit_exact(backend: str, tmp_path: Pa
             rc = _trainer(recorded, "--kill-at", str(update), address=address)
         else:
             # Version v is the commit of update v-1: die after `index` events of its transaction.
-            rc = _trainer(recorded, env={"REWIND_FAULT_KILL": f"commit:{update + 1}:{index}"},
-                          address=address)
+            rc = _trainer(recorded, env=killing_at(f"commit:{update + 1}:{index}"), address=address)
         assert rc == -signal.SIGKILL, f"kill point {(update, kind, index)} did not fire"
         restored = json.loads((recorded / "restore.json").read_text())
         # Each process restores what the previous one committed, never more, never less.

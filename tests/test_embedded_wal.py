@@ -11,15 +11,17 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from eventlog import RunAddress, knobs
+from eventlog import RunAddress
 from eventlog.embedded import EmbeddedLog
 from eventlog.errors import ConfigError
+from eventlog.settings import Settings, current
 from rewind.recorder import Recorder
 
 RECORD = os.urandom(1 << 20)  # incompressible: a checkpoint grows the database by as much
@@ -49,8 +51,9 @@ def _open(tmp_path: Path) -> tuple[Path, EmbeddedLog, Any]:
     return db, log, log.writer("w")
 
 
-def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 3600.0)
+def test_a_checkpoint_waits_for_the_window_then_runs(
+        tmp_path: Path, configure: Callable[..., Settings]) -> None:
+    configure(checkpoint_idle_s=3600.0)
     db, log, writer = _open(tmp_path)
     _commit_one(writer)
     time.sleep(0.3)
@@ -69,8 +72,9 @@ def test_a_checkpoint_waits_for_the_window_then_runs(tmp_path: Path, monkeypatch
         assert c.execute("SELECT COUNT(*) FROM records WHERE run='wal'").fetchone() == (2,)
 
 
-def test_without_a_window_the_idle_deadline_checkpoints(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 0.5)
+def test_without_a_window_the_idle_deadline_checkpoints(
+        tmp_path: Path, configure: Callable[..., Settings]) -> None:
+    configure(checkpoint_idle_s=0.5)
     _, log, writer = _open(tmp_path)
     _commit_one(writer)
     assert _wait_runs(writer, 1) == 1, "the idle deadline did not checkpoint"
@@ -79,20 +83,20 @@ def test_without_a_window_the_idle_deadline_checkpoints(tmp_path: Path, monkeypa
     log.close()
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0])
-def test_a_bad_idle_deadline_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: float) -> None:
-    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", bad)
-    db = tmp_path / "rewind.db"
-    log = EmbeddedLog(f"sqlite://{db}", "wal")
-    log.create(1)
-    with pytest.raises(ConfigError, match="REWIND_CHECKPOINT_IDLE_S"):
-        log.writer("w")
-    log.close()
+@pytest.mark.parametrize("bad", ["nan", "inf", "-1", "5s"])
+def test_a_bad_idle_deadline_is_refused(bad: str) -> None:
+    """From the environment, or set in code: the error names the variable and the value."""
+    with pytest.raises(ConfigError, match=f"REWIND_CHECKPOINT_IDLE_S.*{bad}"):
+        Settings.from_env({"REWIND_CHECKPOINT_IDLE_S": bad})
+    if bad != "5s":
+        with pytest.raises(ConfigError, match="REWIND_CHECKPOINT_IDLE_S"):
+            current().with_changes(checkpoint_idle_s=float(bad))
 
 
-def test_the_recorder_opens_a_window_at_each_commit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_recorder_opens_a_window_at_each_commit(
+        tmp_path: Path, configure: Callable[..., Settings]) -> None:
     """Version 1's checkpoint waits for version 2's commit()."""
-    monkeypatch.setattr(knobs, "CHECKPOINT_IDLE_S", 3600.0)
+    configure(checkpoint_idle_s=3600.0)
     db = tmp_path / "rewind.db"
     address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "wal-rec")
     model = torch.nn.Linear(512, 512)

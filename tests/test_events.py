@@ -112,7 +112,8 @@ def sample_bodies() -> dict[str, Any]:
         "SchedulerStep": SchedulerStep("scheduler", b"\x82\xa7last_lr\x91\xcb?\x1a6\xe2\xeb\x1cC-"),
         "RngAdvance": RngAdvance("rng", bytes(range(256)) * 3),
         "SamplerCursor": SamplerCursor("sampler", b"\x00"),
-        "Metrics": Metrics({"loss": 0.125, "reward": -17.5, "tiny": 5e-324, "big": float("inf"), "zero": -0.0}),
+        "Metrics": Metrics({"loss": 0.125, "reward": -17.5, "tiny": 5e-324, "big": float("inf"),
+                            "zero": -0.0}),
         "SnapshotBegin": SnapshotBegin("snap-000042", gsn_watermark=2**53 + 1, fencing_token=7),
         "SnapshotEnd": SnapshotEnd(
             snapshot_id="snap-000042",
@@ -251,7 +252,8 @@ def avro_envelope_schema(version: int = schemas.SCHEMA_VERSION) -> avro.schema.R
     names = avro.name.Names()
     parsed: dict[str, avro.schema.Schema] = {}
     while len(parsed) < len(docs):
-        ready = [n for n, d in docs.items() if n not in parsed and _named_refs(d) & docs.keys() <= parsed.keys() | {n}]
+        ready = [n for n, d in docs.items()
+                 if n not in parsed and _named_refs(d) & docs.keys() <= parsed.keys() | {n}]
         assert ready, f"circular or missing schema references among {set(docs) - set(parsed)}"
         for name in sorted(ready):
             parsed[name] = avro.schema.make_avsc_object(docs[name], names)
@@ -421,7 +423,8 @@ def test_golden_v1_message_decodes_with_the_current_decoder(kind: str) -> None:
     for f in dataclasses.fields(type(want.body)):
         if kind == "TensorDelta" and f.name == "payload":
             continue  # compressor output is checked by decoding it below
-        assert_same_data(plain(getattr(env.body, f.name)), plain(getattr(want.body, f.name)), f"{kind}.{f.name}")
+        assert_same_data(plain(getattr(env.body, f.name)), plain(getattr(want.body, f.name)),
+                         f"{kind}.{f.name}")
     if isinstance(env.body, TensorDelta):
         bits = np.zeros(env.body.byte_length, dtype=np.uint8)
         tensorcodec.decode_chunk(env.body, bits, "golden")

@@ -13,13 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from eventlog import RunAddress, Target, knobs, serde
+from eventlog import RunAddress, Target, serde
 from eventlog.embedded import path_from_url
 from eventlog.errors import BatchedStepsMismatchError, CorruptMessageError, DigestMismatchError
 from eventlog.events import OptimizerStep, TensorDelta
 from eventlog.fold import deferred as deferred_module
 from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.engine import rebuild
+from eventlog.settings import Settings, current, override
 from replayer.replay import replay, state_dicts
 from rewind.recorder import CommitResult, Recorder
 
@@ -259,10 +260,9 @@ def test_batched_steps_that_diverge_alone_are_reported_as_such(
         views = args[2]
         views.whole(unit[0].param).view(-1)[0:1].view(torch.int32).add_(1)
 
-    monkeypatch.setattr(knobs, "REPLAY_DEFER_STEPS", 1)
     monkeypatch.setattr(deferred, "_run_unit", off_by_one_bit)
     with pytest.raises(BatchedStepsMismatchError) as info:
-        replay(address, Target())
+        replay(address, Target(), settings=current().with_changes(replay_defer_steps=True))
     msg = str(info.value)
     assert "rebuilt to version 3 has digest" in msg
     assert "a fold that checked every step and gradient chunk (and the snapshot's files) matched the seal" in msg
@@ -355,7 +355,8 @@ def test_a_step_that_writes_its_gradients_is_not_predicted(address: RunAddress) 
 
 @pytest.mark.parametrize("kind", ["adam", "adam-foreach-amsgrad", "adam-fused", "sgd-nesterov"])
 def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
-    address: RunAddress, kind: str, monkeypatch: pytest.MonkeyPatch
+    address: RunAddress, kind: str, monkeypatch: pytest.MonkeyPatch,
+    configure: Callable[..., Settings],
 ) -> None:
     """Folds batch consecutive steps and run them tile by tile. Small tiles (one 8 KiB
     gradient chunk per unit, so each param's step counter is split over tiles) and a small
@@ -384,8 +385,7 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
     assert [s.deferred.unchecked for s in state.shards] == [[] for _ in state.shards]
     batches.clear()
     grad_bytes = max(r.encoded_bytes - r.residual_bytes for r in live.results[2:])
-    monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", 8192)
-    monkeypatch.setattr(knobs, "REPLAY_DEFER_BYTES", grad_bytes)  # about two steps per shard
+    configure(replay_tile_bytes=8192, replay_defer_bytes=grad_bytes)  # about two steps per shard
     if address.log_url.startswith("sqlite://"):
         # Gradients read as views of segment files hold no memory, so the budget does not
         # split their batch; moved into SQLite, they are read as bytes and it does.
@@ -393,11 +393,10 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
         assert set(map(tuple, batches)) == {predictive[:i] for i in range(1, len(predictive) + 1)}, batches
         batches.clear()
         # They still keep their files mapped, and a budget of mapped bytes splits it.
-        monkeypatch.setattr(knobs, "REPLAY_DEFER_MAPPED_BYTES", grad_bytes)
-        live.assert_every_version_replays_exactly(address)
+        with override(replay_defer_mapped_bytes=grad_bytes):
+            live.assert_every_version_replays_exactly(address)
         assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
         batches.clear()
-        monkeypatch.setattr(knobs, "REPLAY_DEFER_MAPPED_BYTES", 16 * 1024**3)
         inline_segments(path_from_url(address.log_url))
     live.assert_every_version_replays_exactly(address)
     assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
@@ -424,19 +423,19 @@ def _tiles_run(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     ("adam", "blosc2-lz4", 8192, None), ("sgd-nesterov", "none", 8192, None)])
 def test_two_workers_cut_gradient_chunks_read_in_place_into_parts(
     address: RunAddress, kind: str, compression: str, tile_bytes: int, part: int | None,
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, configure: Callable[..., Settings],
 ) -> None:
     """Two replay workers give each unit half the tile budget, so that both units' working
     sets stay cached. A gradient chunk read in place (uncompressed, by an optimizer that
     only reads it) is then cut into parts of whole 64-byte lines, one tile each; one
     decompressed or copied stays whole, and so does every chunk of a fold that checks each
     chunk's digest. Every version still replays bit for bit."""
-    monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
+    configure(grad_compression=compression)
     live = Live(address, OPTIMIZERS[kind])
     for _ in range(5):
         live.train(1)
     live.rec.close()
-    monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", tile_bytes)  # chunks are 8 KiB
+    configure(replay_tile_bytes=tile_bytes)  # chunks are 8 KiB
     tiles = _tiles_run(monkeypatch)
     live.assert_every_version_replays_exactly(address)  # 2 workers, chunk digests left to the seal
     chunk_tiles = [t for t in tiles if not t.whole]
@@ -471,7 +470,8 @@ def test_chunks_off_the_vector_grid_replay_as_whole_tensors(
 @pytest.mark.parametrize("compression", ["none", "blosc2-lz4"])
 @pytest.mark.parametrize("defer", [True, False], ids=["batched", "step-by-step"])
 def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, defer: bool, compression: str,
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, configure: Callable[..., Settings], defer: bool,
+    compression: str,
 ) -> None:
     """Batched replays read gradients late, inside a tile: a raw one as a view of its
     message, an lz4 one decompressed. A flipped byte must still fail with the chunk's run,
@@ -479,7 +479,7 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
     them to the seal; on the mismatch it folds again with them, and names the place."""
     import sqlite3
 
-    monkeypatch.setattr(knobs, "GRAD_COMPRESSION", compression)
+    configure(grad_compression=compression)
     address, db = _trained_embedded_run(tmp_path, "grads", 4)
     inline_segments(db)
     with sqlite3.connect(db) as c:
@@ -517,9 +517,8 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
             calls.append(kwargs["grad_digests"])
             return rebuild(*args, **kwargs)
 
-        monkeypatch.setattr(knobs, "REPLAY_DEFER_STEPS", 1)
         monkeypatch.setattr(replay_module, "rebuild", spy)
         with pytest.raises(CorruptMessageError) as info:
-            replay(address, Target())
+            replay(address, Target(), settings=current().with_changes(replay_defer_steps=True))
         assert str(info.value) == msg
         assert calls == [False, True]

@@ -88,9 +88,9 @@ def test_encrypted_run_recovers_bit_exactly_and_a_wrong_key_is_refused(run: RunA
         values = [bytes(v) for (v,) in db.execute("SELECT value FROM records")]
     plain = trainer.states[4]["0.weight"].numpy().tobytes()[:64]
     assert not any(plain in v for v in values)  # tensor bits are not in the log in clear
-    with crypto.using(_ring(k1=_key())):
-        with pytest.raises(AuthenticationError, match="authentication failed with key 'k1'"):
-            replay(run, Target())
+    with crypto.using(_ring(k1=_key())), pytest.raises(
+            AuthenticationError, match="authentication failed with key 'k1'"):
+        replay(run, Target())
     with crypto.using(None), pytest.raises(AuthenticationError, match="no key is configured"):
         replay(run, Target())
 
@@ -163,9 +163,9 @@ def test_key_rotation_keeps_old_data_readable(run: RunAddress) -> None:
     manifest = (Path(run.snapshots_url[len("file://"):]) / run.run_id / result.snapshot_id /  # type: ignore[index]
                 "manifest.json").read_text()
     assert '"key_id": "k2"' in manifest
-    with crypto.using(_ring(k2=k2)):
-        with pytest.raises(AuthenticationError, match="'k1', which is not configured"):
-            replay(run, Target("version", 2), use_snapshots=False)
+    with crypto.using(_ring(k2=k2)), pytest.raises(
+            AuthenticationError, match="'k1', which is not configured"):
+        replay(run, Target("version", 2), use_snapshots=False)
 
 
 def test_keys_come_from_a_file_or_the_environment(tmp_path: Path) -> None:

@@ -14,17 +14,19 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from eventlog import CorruptStoreError, TruncatedHistoryError, knobs, segments, serde
+from eventlog import CorruptStoreError, TruncatedHistoryError, segments, serde
 from eventlog import tensorcodec as tc
 from eventlog.embedded import EmbeddedLog
 from eventlog.events import Envelope, TensorDelta
 from eventlog.ports import CONTROL
+from eventlog.settings import Settings, override
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -132,10 +134,10 @@ def test_the_huge_page_placement_starts_at_a_bulk_field_of_exactly_2_mib(tmp_pat
 
 @pytest.mark.parametrize(("roll_mib", "per_file"), [(9, 1), (13, 2)])
 def test_a_segment_file_stays_within_its_roll_size_with_the_gaps(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, roll_mib: int, per_file: int) -> None:
+        tmp_path: Path, configure: Callable[..., Settings], roll_mib: int, per_file: int) -> None:
     """A 4 MiB chunk takes 6 MiB of file (its gap, then itself): a file rolls before a
     message would end past the roll size, and a truncation still frees whole files."""
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", roll_mib * 1024 * 1024)
+    configure(embedded_segment_bytes=roll_mib * 1024 * 1024)
     db = tmp_path / "r.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)
@@ -257,8 +259,8 @@ def test_a_row_naming_a_file_outside_the_run_is_refused(tmp_path: Path) -> None:
 
 
 def test_truncation_deletes_the_files_wholly_below_the_new_start(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", 100_000)  # two 40 KB chunks a file
+        tmp_path: Path, configure: Callable[..., Settings]) -> None:
+    configure(embedded_segment_bytes=100_000)  # two 40 KB chunks a file
     db = tmp_path / "r.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(2)
@@ -287,17 +289,17 @@ def test_truncation_deletes_the_files_wholly_below_the_new_start(
 
 
 def test_records_kept_in_sqlite_and_in_segments_read_alike(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path) -> None:
     """A log written before segments existed (every record in SQLite) goes on being read,
     and appended to, by this version."""
     db = tmp_path / "o.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 1 << 40)
-    _append(log, [_payload(0), _payload(1)])
+    with override(embedded_segment_min_bytes=1 << 40):
+        _append(log, [_payload(0), _payload(1)])
     assert _segment_files(db) == []
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 0)
-    _append(log, [_payload(2)])
+    with override(embedded_segment_min_bytes=0):
+        _append(log, [_payload(2)])
     assert _segment_files(db) == ["p0-00000000000000000002.seg"]
     decoded = list(log.scan_decoded(0, _decode, batch=1))
     assert [bytes(d.value.body.payload) for d in decoded] == [_payload(i) for i in range(3)]
@@ -307,19 +309,19 @@ def test_records_kept_in_sqlite_and_in_segments_read_alike(
 
 @pytest.mark.parametrize("batch", [1, 2, 16])
 def test_a_scan_finds_rows_in_pages_but_decodes_each_record_when_reached(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch: int) -> None:
+        tmp_path: Path, batch: int) -> None:
     """Small and large records kept in SQLite and records in segment files come back exact
     and in order, whatever the page size; none is decoded before the caller takes the one
     before it, so a fold that stops at its target never fails on a damaged record after it."""
     db = tmp_path / "o.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 1 << 40)
     sizes = [1_000, 300_000, 2_000]  # SQLite: small (copied with its page), large, small
-    _append(log, [_payload(i, n) for i, n in enumerate(sizes)])
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_MIN_BYTES", 0)
+    with override(embedded_segment_min_bytes=1 << 40):
+        _append(log, [_payload(i, n) for i, n in enumerate(sizes)])
     sizes += [40_000, 40_000]  # segment files
-    _append(log, [_payload(i, sizes[i]) for i in (3, 4)])
+    with override(embedded_segment_min_bytes=0):
+        _append(log, [_payload(i, sizes[i]) for i in (3, 4)])
     calls: list[int] = []
 
     def decode(stream, size, offset):  # type: ignore[no-untyped-def]
@@ -493,7 +495,7 @@ def _open_segment_files(under: Path) -> list[str]:
 
 
 def test_close_lets_go_of_every_map_and_a_held_view_outlives_it(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, configure: Callable[..., Settings],
 ) -> None:
     """``close`` hands the unmapping to a thread (tearing down maps of gigabytes of touched
     pages takes the kernel a while). Once it is done, a file no view holds is neither
@@ -501,7 +503,7 @@ def test_close_lets_go_of_every_map_and_a_held_view_outlives_it(
     the view still reads its bytes."""
     import threading
 
-    monkeypatch.setattr(knobs, "EMBEDDED_SEGMENT_BYTES", 50_000)  # one 40 KB message per file
+    configure(embedded_segment_bytes=50_000)  # one 40 KB message per file
     db = tmp_path / "c.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
     log.create(1)

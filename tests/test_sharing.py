@@ -8,15 +8,17 @@ import dataclasses
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from eventlog import Target, knobs
-from eventlog import fold as fold_module
+from eventlog import Target
 from eventlog.fold import deferred as deferred_module
+from eventlog.fold import engine as fold_module
 from eventlog.fold.sharing import WorkBoard, map_shared
+from eventlog.settings import Settings
 from replayer.replay import replay, state_dicts
 from snapshotter import pieces as pieces_module
 from snapshotter.service import Snapshotter, SnapshotterConfig
@@ -136,7 +138,7 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def test_a_replay_with_shared_tiles_digests_and_pieces_is_exact(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, configure: Callable[..., Settings]) -> None:
     """Units small enough to share (one tile each, files in 512-byte pieces); one param's
     tiles run slowly, so the worker of the other shard takes some. The rebuilt params, moments and
     step counters are the live trainer's bits."""
@@ -150,7 +152,7 @@ def test_a_replay_with_shared_tiles_digests_and_pieces_is_exact(
     trainer.train(4)
     want = {"model": trainer.states[trainer.step - 1], "optimizer": trainer.optimizer_state()}
 
-    monkeypatch.setattr(knobs, "REPLAY_TILE_BYTES", 1024)
+    configure(replay_tile_bytes=1024)
     monkeypatch.setattr(pieces_module, "PIECE", 512)
     slow_threads: set[str] = set()  # that ran tiles of the biggest param
     one_shard_verified = threading.Event()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import mmap
-import os
 import random
 import signal
 import subprocess
@@ -17,8 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-from eventlog import FencedError, RunAddress, Target, TruncatedHistoryError, knobs
+from eventlog import FencedError, RunAddress, Target, TruncatedHistoryError
 from eventlog.fold.engine import index_control
+from eventlog.settings import override
 from replayer.replay import replay, state_dicts
 from rewind.recorder import Recorder
 from snapshotter.catalog import markers
@@ -28,6 +28,7 @@ from snapshotter.store import SnapshotStore
 from snapshotter.verify import FAIL, WARN, verify_run
 
 from .conftest import make_address
+from .faulthook import killing_at
 
 
 @pytest.fixture
@@ -86,8 +87,7 @@ def _snapshot_in_child(address: RunAddress, point: str) -> subprocess.CompletedP
     cmd = [sys.executable, "-c", "from rewind.cli import main; main()", "snapshot",
            "--log", address.log_url, "--coord", address.coord_url, "--run", address.run_id,
            "--snapshots", address.snapshots_url or "", "--holder", "snap-1", "--keep-last", "100"]
-    return subprocess.run(cmd, env={**os.environ, "REWIND_FAULT_KILL": point},
-                          capture_output=True, text=True, timeout=180)
+    return subprocess.run(cmd, env=killing_at(point), capture_output=True, text=True, timeout=180)
 
 
 KILL_POINTS = ["snapshot:begun", "snapshot:files:0", "snapshot:files:1", "snapshot:manifest",
@@ -292,8 +292,7 @@ def test_a_replay_to_a_snapshots_own_version_maps_it_and_never_writes_it(run: Ru
         owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
     assert isinstance(owner, mmap.mmap)  # a map of the file, not a copy
     bits[:] = 0xFF  # the state is writable, privately
-    with pytest.MonkeyPatch.context() as mp:  # REWIND_SNAPSHOT_MAP=0: read, as under a tail
-        mp.setattr(knobs, "SNAPSHOT_MAP", 0)
+    with override(snapshot_map=False):  # REWIND_SNAPSHOT_MAP=0: read, as under a tail
         read_state, _ = replay(run, Target("version", newest.version))
         read_bits = next(t.bits for s in read_state.shards for t in s.tensors.values() if t.bits.size)
         read_owner = read_bits

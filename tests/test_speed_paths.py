@@ -143,7 +143,7 @@ def test_blob_reads_in_threads_while_a_writer_appends(tmp_path: Path) -> None:
     threads = [threading.Thread(target=reader) for _ in range(2)]
     for t in threads:
         t.start()
-    for i in range(12, 40):
+    for _ in range(12, 40):
         with w.transaction() as txn:
             txn.append(0, b"x" * 100)
     for t in threads:
@@ -197,7 +197,7 @@ def test_decode_threads_do_not_share_scratch() -> None:
         t.start()
     for t in threads:
         t.join()
-    assert all(np.array_equal(o, a) for o, a in zip(outs, arrays))
+    assert all(np.array_equal(o, a) for o, a in zip(outs, arrays, strict=True))
 
 
 # ------------------------------------------------------------------ zero-copy shard load

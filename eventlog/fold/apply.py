@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eventlog import knobs, optimstep, tensorcodec
+from eventlog import optimstep, tensorcodec
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
 from eventlog.events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
 from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.sharing import WorkBoard
 from eventlog.optimstep import check_lists, describe_failure, recorded_under, replaying_under
+from eventlog.settings import current
 
 APPLIED = "applied"
 SKIPPED_BY_SNAPSHOT = "skipped_by_snapshot"
@@ -90,7 +91,7 @@ class ShardState:
 
         With ``defer``, optimizer steps and their gradients are queued and run together,
         tile by tile (``eventlog.fold.deferred``), when a non-gradient chunk arrives, the queue
-        holds ``knobs.REPLAY_DEFER_BYTES``, or the caller calls ``run_deferred()``, which it
+        holds ``Settings.replay_defer_bytes``, or the caller calls ``run_deferred()``, which it
         must before reading the tensors.
         """
         outcome = classify(env, self.applied_gsn, self.snapshot_gsn, sealed)
@@ -139,14 +140,15 @@ class ShardState:
     def run_deferred(self) -> None:
         """Run the queued optimizer steps, if any (see ``apply``)."""
         if self.deferred:
-            self.deferred.run(self.tensors, knobs.REPLAY_TILE_BYTES)
+            self.deferred.run(self.tensors, current().replay_tile_bytes)
 
     def _defer_step(self, step: OptimizerStep, version: int, where: str) -> None:
         if not self.deferred.fits():
             self.run_deferred()
         self.deferred.add_step(step, version, where, self.tensors)
-        if (self.deferred.nbytes >= knobs.REPLAY_DEFER_BYTES
-                or self.deferred.mapped >= knobs.REPLAY_DEFER_MAPPED_BYTES):
+        settings = current()
+        if (self.deferred.nbytes >= settings.replay_defer_bytes
+                or self.deferred.mapped >= settings.replay_defer_mapped_bytes):
             self.run_deferred()
 
     def _apply_step(self, step: OptimizerStep, version: int, where: str) -> None:
@@ -184,7 +186,8 @@ class ShardState:
                 raise DigestMismatchError(
                     f"{where}: the replayed {step.optimizer} step of version {version} predicted "
                     f"tensor {name!r} differently from the recording (recorded under "
-                    f"{recorded_under(step)}; replaying under {replaying_under()}): digest {got.hex() if got else 'missing'}, "
+                    f"{recorded_under(step)}; replaying under {replaying_under()}): "
+                    f"digest {got.hex() if got else 'missing'}, "
                     f"recorded {want.hex()}"
                 )
 
@@ -264,7 +267,8 @@ def verify_shard(
         message = (f"shard {state.shard} rebuilt to version {version} has digest {got_digest.hex()}, "
                    f"but the seal of version {version} records {seal.shard_digests[state.shard].hex()}")
         if unchecked:
-            skipped, named = (("checking each step or gradient chunk", "the first damaged chunk or the first step")
+            skipped, named = (("checking each step or gradient chunk",
+                               "the first damaged chunk or the first step")
                               if state.deferred.grads_unchecked else ("per-step checks", "the first step"))
             raise BatchedStepsMismatchError(
                 f"{message}; versions {unchecked[0]}..{unchecked[-1]} were replayed by batched "

@@ -16,19 +16,19 @@ computes there, as long as the slice keeps each element in the same loop of torc
 counted by each tile on its own copy, and the param's counter takes the final count. A
 state of any other shape makes its param one whole-tensor tile.
 
-Two checks wait for the seal on this path. Each version's predicted-tensor digests are
-not checked: hashing every tensor after every version would stream the state through
-memory again. Nor are the digests of the gradient chunks: hashing them streamed every
-gradient byte through memory a second time, before the step read it (a 10-version tail of
-a 100M model: 4 GB, about a fifth of a 2-worker replay's fold). The shard digest is still
-checked against the target's seal, and it covers both: a damaged gradient or a step that
-predicts differently leaves bits the seal does not vouch for, before anyone sees them. On
-a mismatch, replaying with ``REWIND_REPLAY_DEFER_STEPS=0`` (what ``replayer.replay`` does
-by itself) checks each chunk and each step, and names the record, the version and the
-tensor. The gradient digests are skipped only when the fold's caller asks for it
-(``check_grads``): ``replayer.replay``, which folds again with every check on a mismatch.
-Others (the snapshotter, a follower's incremental step, ``rewind verify``) report the
-damaged record itself.
+Two checks wait for the seal on this path. Each version's predicted-tensor digests are not
+checked: hashing every tensor after every version would stream the state through memory
+again. Nor are the digests of the gradient chunks: hashing them streamed every gradient
+byte through memory a second time, before the step read it (gigabytes for a tail of a
+large model). The shard digest is still checked against the target's seal, and it covers
+both: a damaged gradient or a step that predicts differently leaves bits the seal does not
+vouch for, before anyone sees them. On a mismatch, replaying with
+``REWIND_REPLAY_DEFER_STEPS=0`` (what ``replayer.replay`` does by itself) checks each
+chunk and each step, and names the record, the version and the tensor. The gradient
+digests are skipped only when the fold's caller asks for it (``check_grads``):
+``replayer.replay``, which folds again with every check on a mismatch. Others (the
+snapshotter, a follower's incremental step, ``rewind verify``) report the damaged record
+itself.
 """
 
 from __future__ import annotations
@@ -210,9 +210,8 @@ class DeferredSteps:
         check = self.check_grads
         # Workers running units at once share the last-level cache: each unit's working
         # set (its tiles' params, moments and gradients) gets that share, so that a tile
-        # stays cached through all of its steps. Two workers on 4 MiB tiles missed it: on
-        # the 100M benchmark's tail, their steps took 0.415 s against 0.340 s with 2 MiB
-        # parts (medians of 9, in one process; 1 worker: 0.353 s and 0.362 s).
+        # stays cached through all of its steps; two workers on whole tiles overflow it
+        # (figures: docs/performance.md).
         unit_bytes = max(1, unit_bytes // (self.board.threads if self.board is not None else 1))
         tiles = _tiles(steps, states, tensors, None if check else unit_bytes)
         # Scalar states (Adam's step counter): each unit counts on a copy; these keep the
@@ -246,7 +245,7 @@ def _tiles(steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
     into parts of about that many bytes, a multiple of ``TILE_ALIGN``."""
     out: list[_Tile] = []
     seen: set[str] = set()
-    for step, owned in zip(steps, states, strict=True):
+    for step, _owned in zip(steps, states, strict=True):
         for name, grad in step.grads.items():
             if name in seen:
                 continue
@@ -290,8 +289,7 @@ def _held(delta: TensorDelta) -> int:
     """The memory a kept chunk holds: its payload's length, unless the payload is a view
     (a segment file's map, ``eventlog.segments``), which holds only page cache the kernel
     can drop and read again. So a replay of an embedded log batches its whole tail: each
-    tile then crosses the memory bus once, not once per 256 MiB of gradients (a 1-worker
-    replay of a 10-version 100M tail took 2.36 s instead of 2.62 s, medians of 3)."""
+    tile then crosses the memory bus once, not once per 256 MiB of gradients."""
     return 0 if isinstance(delta.payload, memoryview) else len(delta.payload)
 
 
@@ -334,9 +332,8 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
               views: _Views, finals: dict[str, torch.Tensor], check_grads: bool) -> None:
     """Run every step, in order, on one unit's tiles."""
     # Each tile's param and states as tensors over the shard's bits, made once for the unit
-    # rather than once per step: py-spy put a quarter of a fold's samples in making views,
-    # which holds the GIL the other replay worker waits for (a sampling figure: side by
-    # side, the change was within the VM's noise).
+    # rather than once per step: making views holds the GIL the other replay worker waits
+    # for.
     tile_params: dict[_Tile, torch.Tensor] = {}
     copies: dict[tuple[str, int], torch.Tensor] = {}
     tile_states: dict[tuple[_Tile, tuple[tuple[str, str], ...]], dict[str, torch.Tensor]] = {}

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from eventlog import crypto, knobs, serde
+from eventlog import crypto, serde
 from eventlog.digests import small_digest
 from eventlog.errors import (
     DigestMismatchError,
@@ -30,6 +30,7 @@ from eventlog.events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, 
 from eventlog.fold.apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
 from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.ports import CONTROL, EventLog, MessageStream
+from eventlog.settings import current
 
 _log = logging.getLogger(__name__)
 
@@ -222,9 +223,9 @@ def fold_shard(
     version: int,
     gt_offset: int | None = None,
     on_bytes: Callable[[int], None] | None = None,
-    settle_s: float = knobs.SETTLE_S,
+    settle_s: float | None = None,
     since_version: int = 0,
-    defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
+    defer_steps: bool | None = None,
     grad_digests: bool = True,
     board: WorkBoard | None = None,
 ) -> ShardState:
@@ -234,14 +235,18 @@ def fold_shard(
     commit marker), so while the target's seal counts more events than were seen, the
     end offset is polled again, until a pass finds nothing new for ``settle_s`` seconds
     (the clock starts when a pass ends short, not when the fold starts: a first pass over
-    a big shard may itself take longer than ``settle_s``). Versions up to
-    ``since_version`` are already in ``state`` (a snapshot, or an earlier fold). With
-    ``defer_steps``, consecutive optimizer steps run as one tiled batch (``eventlog.fold.deferred``);
+    a big shard may itself take longer than ``settle_s``). Versions up to ``since_version``
+    are already in ``state`` (a snapshot, or an earlier fold). With ``defer_steps``,
+    consecutive optimizer steps run as one tiled batch (``eventlog.fold.deferred``);
     ``grad_digests=False`` leaves that batch's gradient digests to the seal check, for a
     caller that folds again with them on a mismatch (``replayer.replay``). ``board``: where
     the batch's tiles are posted for other workers of a parallel fold to share.
+    ``settle_s`` and ``defer_steps`` default to the settings' (``eventlog.settings``).
     """
     t0 = time.perf_counter()
+    settings = current()
+    settle_s = settings.settle_s if settle_s is None else settle_s
+    defer_steps = settings.replay_defer_steps if defer_steps is None else defer_steps
     state.deferred.check_grads = grad_digests
     state.deferred.board = board
     try:
@@ -375,6 +380,8 @@ class FoldStart:
     next_offsets: list[int]  # control first, then each shard
     layout: RunStarted
     source: str
+    #: The snapshot's id (``None``: a start that is not a published snapshot).
+    snapshot_id: str | None = None
 
 
 def rebuild(
@@ -385,14 +392,18 @@ def rebuild(
     on_bytes: Callable[[int], None] | None = None,
     idx: ControlIndex | None = None,
     start: FoldStart | None = None,
-    defer_steps: bool = bool(knobs.REPLAY_DEFER_STEPS),
+    defer_steps: bool | None = None,
     grad_digests: bool = True,
+    share_torch_threads: bool = False,
 ) -> RebuiltState:
     """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
 
     Shards fold on ``workers`` threads, which share their optimizer tiles and digest
-    tensors (``eventlog.fold.sharing``). ``defer_steps``: batch consecutive optimizer steps;
-    ``grad_digests``: check each batched gradient chunk's digest (see ``fold_shard``)."""
+    tensors (``eventlog.fold.sharing``). ``defer_steps``: batch consecutive optimizer steps
+    (``None``: ``Settings.replay_defer_steps``);
+    ``grad_digests``: check each batched gradient chunk's digest (see ``fold_shard``).
+    ``share_torch_threads``: divide torch's intra-op threads among the workers while they
+    fold (process-wide, restored after; for a process that owns torch, like the CLI's)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
     layout = idx.layout_at(version, start.layout if start else None)
@@ -418,7 +429,7 @@ def rebuild(
 
     # Workers share the optimizer steps' tiles and the digests' tensors: one whose shards
     # are done helps the others.
-    with _torch_threads_per_worker(workers):
+    with _torch_threads_per_worker(workers if share_torch_threads else 1):
         shards = map_shared(workers, range(layout.shard_count), one)
     total = small.counts
     per_shard = {}
@@ -437,10 +448,10 @@ def rebuild(
 def _torch_threads_per_worker(workers: int) -> Iterator[None]:
     """Share torch's intra-op threads among the workers while they replay optimizer steps:
     each worker's step runs on its own core instead of all of them contending for every
-    core (process-wide, so restored on exit; ``REWIND_REPLAY_TORCH_THREADS=0`` turns it off)."""
+    core (process-wide, so restored on exit; one worker leaves torch alone)."""
     before = torch.get_num_threads()
     share = max(1, before // max(1, workers))
-    if knobs.REPLAY_TORCH_THREADS and workers > 1 and share < before:
+    if workers > 1 and share < before:
         torch.set_num_threads(share)
     try:
         yield

@@ -1,8 +1,8 @@
 """Work that replay workers share, so that no core idles while another shard has work left.
 
-A parallel replay gives each worker whole shards. On 2 cores, two equal shards still
-finished their batched optimizer steps 0.06-0.14 s apart in a 100M replay: one core then
-idles while the other does the rest. Here a worker that runs a batch of units (tiles of
+A parallel replay gives each worker whole shards. Two equal shards still do not finish
+together (virtual CPUs, for one, do not run at one steady speed), and one core then idles
+while the other does the rest. Here a worker that runs a batch of units (tiles of
 optimizer steps) posts them on a ``WorkBoard``; a worker with nothing left of its own takes
 units from it. Every unit is still run exactly once, by one thread, and the poster waits
 until all of its units are done (its own and those taken by others) before it goes on, so
