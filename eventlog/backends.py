@@ -25,6 +25,9 @@ class RunAddress:
     run_id: str
     #: Where the run's snapshots live (``file://DIR``); read by the snapshotter and replayer.
     snapshots_url: str | None = None
+    #: Open the log and coordinator for reading only: an embedded database must exist
+    #: already and nothing is created or written in it (the CLI's read commands).
+    read_only: bool = False
 
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], run_id: str | None = None) -> RunAddress:
@@ -44,18 +47,20 @@ class RunAddress:
 
     @classmethod
     def from_env(cls, run_id: str) -> RunAddress:
-        """Backends from ``REWIND_LOG`` / ``REWIND_COORD``, else ``./rewind.db``."""
+        """Backends from ``REWIND_LOG`` / ``REWIND_COORD``, else ``./rewind.db``; the snapshot
+        store from ``REWIND_SNAPSHOTS`` (``file://DIR``), if set."""
         default = f"sqlite://{Path(DB_NAME).resolve()}"
         log = os.environ.get("REWIND_LOG", default)
-        return cls(log, os.environ.get("REWIND_COORD", log), run_id)
+        return cls(log, os.environ.get("REWIND_COORD", log), run_id,
+                   os.environ.get("REWIND_SNAPSHOTS") or None)
 
     def open_log(self) -> EventLog:
         """Open this run's log."""
-        return open_log(self.log_url, self.run_id)
+        return open_log(self.log_url, self.run_id, read_only=self.read_only)
 
     def open_coordinator(self) -> Coordinator:
         """Open the coordinator."""
-        return open_coordinator(self.coord_url)
+        return open_coordinator(self.coord_url, read_only=self.read_only)
 
 
 def _scheme(url: str) -> str:
@@ -65,13 +70,14 @@ def _scheme(url: str) -> str:
     return scheme
 
 
-def open_log(url: str, run_id: str) -> EventLog:
-    """Open run ``run_id``'s log on the backend ``url`` names."""
+def open_log(url: str, run_id: str, *, read_only: bool = False) -> EventLog:
+    """Open run ``run_id``'s log on the backend ``url`` names; ``read_only``: an embedded
+    database must exist and is not written (Kafka topics are only created by writers)."""
     scheme = _scheme(url)
     if scheme == "sqlite":
         from eventlog.embedded import EmbeddedLog
 
-        return EmbeddedLog(url, run_id)
+        return EmbeddedLog(url, run_id, read_only=read_only)
     if scheme == "kafka":
         from eventlog.kafka import KafkaLog
 
@@ -79,13 +85,13 @@ def open_log(url: str, run_id: str) -> EventLog:
     raise ConfigError(f"unknown log backend {scheme!r} in {url!r}; use sqlite:// or kafka://")
 
 
-def open_coordinator(url: str) -> Coordinator:
-    """Open the coordinator ``url`` names."""
+def open_coordinator(url: str, *, read_only: bool = False) -> Coordinator:
+    """Open the coordinator ``url`` names; ``read_only`` as for ``open_log``."""
     scheme = _scheme(url)
     if scheme == "sqlite":
         from eventlog.embedded import EmbeddedCoordinator
 
-        return EmbeddedCoordinator(url)
+        return EmbeddedCoordinator(url, read_only=read_only)
     if scheme in ("redis", "rediss"):
         from eventlog.redis import RedisCoordinator
 

@@ -11,14 +11,16 @@ the oldest one kept may be truncated.
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from eventlog import FencedError, RunAddress, RunNotFoundError, knobs, serde
-from eventlog.events import Body, Envelope, SnapshotBegin, SnapshotEnd
+from eventlog import ConfigError, FencedError, RunAddress, RunNotFoundError, serde
+from eventlog.events import Body, Envelope, RunStarted, SnapshotBegin, SnapshotEnd
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import (
     ControlIndex,
@@ -29,7 +31,8 @@ from eventlog.fold.engine import (
     index_control,
     verify_small,
 )
-from eventlog.ports import CONTROL
+from eventlog.ports import CONTROL, LogWriter
+from schemas import SCHEMA_VERSION
 from snapshotter.catalog import encode_layout, markers, newest_valid, try_delete
 from snapshotter.policies import (
     Progress,
@@ -41,6 +44,8 @@ from snapshotter.policies import (
     keep_last,
 )
 from snapshotter.store import FORMAT, Manifest, SnapshotStore
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,16 @@ class SnapshotterConfig:
 
     def __post_init__(self) -> None:
         if self.history not in ("keep-all", "since-oldest-snapshot") and not self.history.isdigit():
-            raise ValueError("history must be keep-all, since-oldest-snapshot or a number of steps")
+            raise ConfigError(f"snapshotter history {self.history!r}: use keep-all, "
+                              "since-oldest-snapshot or a number of steps")
+        if not (math.isfinite(self.lease_ttl_s) and self.lease_ttl_s > 0):
+            raise ConfigError(f"snapshotter lease_ttl_s must be a finite number of seconds > 0, "
+                              f"got {self.lease_ttl_s!r}")
+        if not (math.isfinite(self.poll_interval_s) and self.poll_interval_s >= 0):
+            raise ConfigError(f"snapshotter poll_interval_s must be a finite number of seconds >= 0, "
+                              f"got {self.poll_interval_s!r}")
+        if isinstance(self.workers, bool) or not isinstance(self.workers, int) or self.workers < 1:
+            raise ConfigError(f"snapshotter workers must be a whole number >= 1, got {self.workers!r}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +110,7 @@ class Snapshotter:
         self._coord = address.open_coordinator()
         self._lease = f"rewind:{address.run_id}:snapshotter"
         self._token: int | None = None
-        self._writer = None
+        self._writer: LogWriter | None = None
         self._idx: ControlIndex | None = None
         self._shards: list[ShardState] = []
         self._small = SmallStates()
@@ -104,7 +118,8 @@ class Snapshotter:
         self._last_snapshot_version = 0
         self._last_snapshot_time = clock()
         self._start_version = 0
-        self._base_layout = None  # the layout a start snapshot recorded (log may be truncated)
+        # The layout a start snapshot recorded (the log may be truncated below it).
+        self._base_layout: RunStarted | None = None
 
     # ------------------------------------------------------------------ lease
     def acquire(self) -> int:
@@ -194,12 +209,11 @@ class Snapshotter:
         sid = f"v{self.version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
         watermark = max([self._small.applied_gsn, *(s.applied_gsn for s in self._shards)])
         self._append(SnapshotBegin(sid, watermark, token), info.version, info.step)
-        knobs.fault_point("snapshot", "begun")
         next_offsets = [self._small.next_offset, *(s.next_offset for s in self._shards)]
         applied = [self._small.applied_gsn, *(s.applied_gsn for s in self._shards)]
         manifest = Manifest(
             format=FORMAT, run_id=self.address.run_id, snapshot_id=sid,
-            schema_version=serde.schemas.SCHEMA_VERSION, config_digest=layout.config_digest,
+            schema_version=SCHEMA_VERSION, config_digest=layout.config_digest,
             version=self.version, step=info.step, state_digest=info.seal.state_digest.hex(),
             shard_digests=[d.hex() for d in info.seal.shard_digests],
             small_digest=info.seal.small_digest.hex(), shard_count=layout.shard_count,
@@ -211,7 +225,6 @@ class Snapshotter:
         uri, digest = self.store.write(manifest, self._shards, self._small,
                                        workers=self.config.workers, before_manifest=self._check_lease)
         self._check_lease()
-        knobs.fault_point("snapshot", "written")
         self._append(SnapshotEnd(sid, tuple(next_offsets), tuple(applied), digest, uri, token),
                      info.version, info.step)
         self._coord.catalog_put(self.address.run_id, sid, {
@@ -268,7 +281,7 @@ class Snapshotter:
         offsets = list(base.end.next_offsets)
         # Keep the base snapshot's own seal on control, so its version stays addressable.
         offsets[0] = max(0, offsets[0] - 1)
-        for p, off in zip([CONTROL, *range(len(offsets) - 1)], offsets):
+        for p, off in zip([CONTROL, *range(len(offsets) - 1)], offsets, strict=True):
             if off > self._log.start_offset(p):
                 self._log.truncate_before(p, off)
         self._say(f"log truncated below snapshot {base.snapshot_id}")
@@ -322,3 +335,65 @@ def start_background(snapshotter: Snapshotter) -> tuple[threading.Thread, thread
     thread = threading.Thread(target=serve, name="rewind-snapshotter", daemon=True)
     thread.start()
     return thread, stop
+
+
+class SnapshotterThread:
+    """A snapshotter serving one run from a daemon thread of the trainer's own process.
+
+    While another snapshotter holds the run's lease it stands by, and takes over once that
+    lease is free. Any other failure stops it, is logged, and is kept in ``error``: the log
+    still holds every version, so a missed snapshot only lengthens the next restore's tail.
+    """
+
+    def __init__(self, snapshotter: Snapshotter) -> None:
+        self.snapshotter = snapshotter
+        #: The failure that stopped it, if any.
+        self.error: Exception | None = None
+        #: Snapshots it published, and the newest of them.
+        self.published = 0
+        self.newest: SnapshotResult | None = None
+        self._stop = threading.Event()
+        self._final = True
+        self._thread = threading.Thread(target=self._serve, name="rewind-snapshotter", daemon=True)
+
+    def start(self) -> None:
+        """Start following the log."""
+        self._thread.start()
+
+    def stop(self, *, final: bool = True) -> None:
+        """Stop, first taking the snapshot that is due if ``final``; releases the lease."""
+        self._final = final
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _serve(self) -> None:
+        snap = self.snapshotter
+        try:
+            while not self._stop.is_set():
+                self._turn()
+                self._stop.wait(snap.config.poll_interval_s)
+            if self._final:
+                self._turn()
+        except Exception as exc:  # noqa: BLE001 - training goes on without snapshots
+            self.error = exc
+            _log.warning("snapshotter of run %r stopped (%s: %s); restores replay a longer tail "
+                         "of the log until a snapshotter runs again", snap.address.run_id,
+                         type(exc).__name__, exc)
+        finally:
+            snap.release()
+
+    def _turn(self) -> None:
+        """Renew the lease and write a snapshot if one is due."""
+        snap = self.snapshotter
+        try:
+            snap.acquire()
+            result = snap.snapshot()
+        except FencedError as exc:
+            # Another snapshotter serves the run: look again once its lease could have expired.
+            _log.info("%s", exc)
+            self._stop.wait(snap.config.lease_ttl_s)
+            return
+        if result is not None:
+            self.published += 1
+            self.newest = result

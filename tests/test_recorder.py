@@ -1,15 +1,26 @@
-"""Recorder behaviours a trainer relies on (embedded backend; the contract suite covers both)."""
+"""Recorder behaviours a trainer relies on: commits, restores from the newest snapshot plus
+the log tail, snapshots taken by the recorder itself, and a killed trainer's restart."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from eventlog import RunAddress, Target
+from eventlog import ConfigError, RunAddress, Target, TruncatedHistoryError
 from eventlog.fold.engine import index_control, rebuild
+from replayer.replay import replay
+from rewind import Snapshots, every_versions, keep_last
 from rewind.recorder import Recorder
+from snapshotter.service import Snapshotter
+from snapshotter.store import SnapshotStore
+from snapshotter.verify import verify_run
 
 
 def _address(tmp_path: Path, run: str = "r") -> RunAddress:
@@ -80,3 +91,193 @@ def test_extra_state_names_are_checked(tmp_path: Path) -> None:
 
     with pytest.raises(Exception, match="reserved or used twice"):
         Recorder(_address(tmp_path), torch.nn.Linear(2, 2), extra={"model": Env()})
+
+
+def _train(model: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(2, model.in_features)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_restore_starts_from_the_newest_snapshot_and_replays_only_the_tail(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    address = dataclasses.replace(_address(tmp_path), snapshots_url=f"file://{tmp_path / 'snaps'}")
+    with Recorder(_address(tmp_path), model, opt) as rec:
+        for step in range(9):
+            _train(model, opt)
+            rec.commit(step, wait=True)
+            if step == 5:
+                with Snapshotter(address, SnapshotStore(tmp_path / "snaps")) as snap:
+                    taken = snap.snapshot(force=True)
+    assert taken is not None and taken.version == 6
+    fresh_model = torch.nn.Linear(8, 4)
+    fresh_opt = torch.optim.Adam(fresh_model.parameters())
+    # The address names no store: the log's end markers say where the snapshot lives.
+    with Recorder(_address(tmp_path), fresh_model, fresh_opt) as rec:
+        result = rec.restore()
+    assert (result.snapshot, result.snapshot_version, result.version, result.step, result.tail) == (
+        taken.snapshot_id, 6, 9, 8, 3)
+    assert torch.equal(fresh_model.weight, model.weight)
+    assert torch.equal(fresh_opt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    # Only the tail was applied: exactly what a replay from that snapshot applies, fewer
+    # events than a fold of the whole log.
+    _, from_snapshot = replay(_address(tmp_path))
+    _, whole = replay(_address(tmp_path), use_snapshots=False)
+    assert (result.applied, result.skipped) == (from_snapshot.applied, from_snapshot.skipped_by_snapshot
+                                                + from_snapshot.skipped_duplicate
+                                                + from_snapshot.skipped_unsealed)
+    assert 0 < result.applied < whole.applied
+    assert result.state_digest == whole.state_digest
+
+
+def test_the_recorder_takes_snapshots_that_every_reader_finds(address: RunAddress, tmp_path: Path) -> None:
+    """A run recorded with ``snapshots=`` is found by restore, replay and verify through an
+    address that names no store (a Kafka run records where its snapshots live); closing
+    the recorder takes the due snapshot and gives the snapshotter lease up."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    store = tmp_path / "snaps"
+    with Recorder(address, model, opt, snapshots=Snapshots(every_versions(4), keep=keep_last(2),
+                                                           store=f"file://{store}")) as rec:
+        for step in range(10):
+            _train(model, opt)
+            rec.commit(step)
+    kept = sorted(p.name for p in (store / address.run_id).iterdir())
+    newest = int(kept[-1][1:11])  # snapshot ids start with their version
+    # Retention kept two; closing took the snapshot due, if any: the tail is under 4 versions.
+    assert len(kept) <= 2 and 10 - newest < 4
+    lease = address.open_coordinator()
+    try:
+        assert lease.acquire_lease(f"rewind:{address.run_id}:snapshotter", "someone-else", 5.0)
+    finally:
+        lease.close()
+    assert address.snapshots_url is None
+    _, report = replay(address)
+    assert report.snapshot_id == kept[-1] and report.tail_versions == 10 - newest
+    findings = verify_run(address).findings
+    assert [f.subject for f in findings if f.status == "ok" and "files and digests verify" in f.detail] == [
+        f"snapshot {sid} (version {int(sid[1:11])})" for sid in kept]
+    fresh = torch.nn.Linear(16, 8)
+    with Recorder(address, fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)) as rec:
+        result = rec.restore()
+    assert (result.snapshot, result.tail) == (kept[-1], 10 - newest)
+    assert torch.equal(fresh.weight, model.weight)
+
+
+def test_snapshots_of_a_kafka_run_need_a_store() -> None:
+    address = RunAddress("kafka://127.0.0.1:1", "redis://127.0.0.1:1/0", "r")
+    with pytest.raises(ConfigError, match="its snapshots need a store"):
+        Recorder(address, torch.nn.Linear(2, 2), snapshots=every_versions(10))
+
+
+def test_snapshots_must_be_a_policy(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="pass a trigger such as every_versions"):
+        Recorder(_address(tmp_path), torch.nn.Linear(2, 2), snapshots=keep_last(3))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("role", ["optimizer", "scheduler", "sampler"])
+def test_an_argument_without_state_dict_is_refused_up_front(tmp_path: Path, role: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{role}=Generator has no state_dict/load_state_dict"):
+        Recorder(_address(tmp_path), torch.nn.Linear(2, 2), **{role: torch.Generator()})  # type: ignore[arg-type]
+
+
+#: A trainer written from the README's API, run as its own process. It appends the digest of
+#: its whole state (model, optimizer, global RNG) for each step before committing it, waits
+#: once for the log to be truncated below the oldest snapshot, and SIGKILLs itself right
+#: after queuing the commit of ``kill_at``.
+TRAINER = """
+import hashlib, json, os, signal, sys, time
+import torch
+from rewind import (Recorder, RunAddress, Snapshots, Target, TruncatedHistoryError, every_versions,
+                    keep_last, replay)
+
+cfg = json.loads(sys.argv[1])
+run = RunAddress(cfg["log"], cfg["coord"], cfg["run"], cfg["snapshots"])
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+
+def digest():
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode() + t.numpy().tobytes())
+    for i, s in sorted(opt.state_dict()["state"].items()):
+        for k, t in sorted(s.items()):
+            h.update(f"{i}.{k}".encode() + t.numpy().tobytes())
+    h.update(torch.get_rng_state().numpy().tobytes())
+    return h.hexdigest()
+
+def truncated():
+    try:
+        replay(run, Target("version", 1))
+    except TruncatedHistoryError:
+        return True
+    return False
+
+snapshots = Snapshots(every_versions(5), keep=keep_last(2), truncate=True)
+with Recorder(run, model=model, optimizer=opt, snapshots=snapshots) as rec:
+    start = rec.restore()
+    print("RESTORED " + json.dumps({"step": start.step, "snapshot": start.snapshot,
+                                    "snapshot_version": start.snapshot_version,
+                                    "digest": digest()}), flush=True)
+    first = 0 if start.fresh else start.step + 1
+    for step in range(first, first + cfg["steps"]):
+        x = torch.randn(16, 8)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        with open(cfg["digests"], "a") as f:
+            f.write(json.dumps({"step": step, "digest": digest()}) + "\\n")
+        rec.commit(step, {"loss": loss.item()})
+        if step == cfg["truncated_by"]:
+            rec.flush()
+            deadline = time.monotonic() + 120
+            while not truncated():
+                assert time.monotonic() < deadline, "the log was not truncated"
+                time.sleep(0.2)
+        if step == cfg["kill_at"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _trainer(cfg: dict[str, object]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", TRAINER, json.dumps(cfg)], capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_restores_bit_exact_below_a_truncated_log(
+    backend: str, address: RunAddress, tmp_path: Path,
+) -> None:
+    """SIGKILL a README-style trainer whose log was truncated below its oldest snapshot;
+    the restarted trainer restores the newest sealed version bit-exact, from a snapshot."""
+    run = address if backend == "embedded" else dataclasses.replace(
+        address, snapshots_url=f"file://{tmp_path / 'snaps'}")  # embedded: the default store
+    digests = tmp_path / "digests.jsonl"
+    cfg: dict[str, object] = {
+        "log": run.log_url, "coord": run.coord_url, "run": run.run_id, "snapshots": run.snapshots_url,
+        "digests": str(digests), "steps": 40, "truncated_by": 14, "kill_at": 22}
+    killed = _trainer(cfg)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    recorded = {d["step"]: d["digest"] for d in map(json.loads, digests.read_text().splitlines())}
+    assert max(recorded) == 22
+
+    restarted = _trainer({**cfg, "steps": 6, "truncated_by": -1, "kill_at": -1})
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    line = next(ln for ln in restarted.stdout.splitlines() if ln.startswith("RESTORED "))
+    restored = json.loads(line[len("RESTORED "):])
+    # Commits are asynchronous: the kill may cut the newest one or two short.
+    assert 20 <= restored["step"] <= 22
+    assert restored["digest"] == recorded[restored["step"]]
+    assert restored["snapshot"] is not None
+    with pytest.raises(TruncatedHistoryError):
+        replay(run, Target("version", 1))
+    # The restarted trainer's snapshotter took its killed predecessor's lease back and
+    # snapshotted on; closing it took the due one, so the tail is shorter than the interval.
+    _, report = replay(run)
+    assert report.step == restored["step"] + 6
+    assert report.snapshot_version > restored["snapshot_version"] and report.tail_versions < 5

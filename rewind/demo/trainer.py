@@ -31,12 +31,10 @@ import torch
 
 from eventlog import RunAddress
 from eventlog.errors import ConfigError, RewindError
-from replayer.replay import restorer
 from rewind.demo.ppo import PPOConfig, PPOTrainer
 from rewind.recorder import Recorder
+from rewind.snapshots import Snapshots
 from snapshotter.policies import every_versions, keep_last
-from snapshotter.service import Snapshotter, SnapshotterConfig, start_background
-from snapshotter.store import SnapshotStore
 
 #: Snapshots the demo keeps (older ones are deleted by retention).
 KEEP_SNAPSHOTS = 3
@@ -46,29 +44,19 @@ KEEP_SNAPSHOTS = 3
 def recording(trainer: PPOTrainer, address: RunAddress, snapshot_every: int = 0) -> Iterator[Recorder]:
     """A ``Recorder`` of every piece of the trainer's state, closed on exit.
 
-    With ``snapshot_every`` > 0, the run is snapshotted every that many versions (keeping
-    the last ``KEEP_SNAPSHOTS``) by a snapshotter thread in this process, and a restore
-    starts from the newest valid snapshot plus the log tail.
+    With ``snapshot_every`` > 0, the recorder snapshots the run every that many versions
+    (keeping the last ``KEEP_SNAPSHOTS``); a restore starts from the newest valid snapshot
+    plus the log tail either way.
     """
-    # The demo's only snapshot wiring: a snapshotter thread and a snapshot-aware restorer.
-    background = None
-    if snapshot_every > 0:
-        assert address.snapshots_url is not None
-        config = SnapshotterConfig(trigger=every_versions(snapshot_every),
-                                   retention=keep_last(KEEP_SNAPSHOTS), poll_interval_s=0.2)
-        background = start_background(Snapshotter(address, SnapshotStore(address.snapshots_url), config,
-                                                  holder=f"{address.run_id}.trainer-snapshotter"))
+    snapshots = (Snapshots(every_versions(snapshot_every), keep=keep_last(KEEP_SNAPSHOTS),
+                           store=address.snapshots_url) if snapshot_every > 0 else None)
     rec = Recorder(address, model=trainer.model, optimizer=trainer.optimizer,
                    scheduler=trainer.scheduler, sampler=trainer.sampler, rng=True,
-                   extra={"env": trainer.env}, restorer=restorer(address))
+                   extra={"env": trainer.env}, snapshots=snapshots)
     try:
         yield rec
     finally:
         rec.close()
-        if background is not None:
-            thread, stop = background
-            stop.set()
-            thread.join(timeout=60)
 
 
 @dataclass(frozen=True)
