@@ -12,6 +12,7 @@ Every compound update is one Lua script, so it is atomic.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -42,6 +43,10 @@ R = TypeVar("R")
 KEY_PREFIX = "rewind:"
 #: Attempts at one operation before a transient fault becomes a ``CoordinationError``.
 ATTEMPTS = 5
+#: Opening a coordinator sends one PING, not retried, with this connect timeout (a URL's
+#: ``socket_connect_timeout`` overrides it): a wrong address or a server that is down
+#: fails then, in one line, not after every retry of the first real call.
+CONNECT_TIMEOUT_S = 5.0
 # ConnectionError and TimeoutError cover a restarting server and a dropped connection;
 # BusyLoadingError a server still loading its dataset; ReadOnlyError a failover in progress.
 _TRANSIENT = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError,
@@ -163,7 +168,7 @@ class RedisCoordinator(Coordinator):
             # Our tenacity policy is the only retry layer (the client's own is off), and
             # every socket call is bounded. Options in the URL override these defaults.
             self._r: redis.Redis = redis.Redis.from_url(
-                url, socket_timeout=10.0, socket_connect_timeout=5.0,
+                url, socket_timeout=10.0, socket_connect_timeout=CONNECT_TIMEOUT_S,
                 retry=Retry(NoBackoff(), 0), decode_responses=False,
             )
         except (ValueError, TypeError, RedisError) as exc:
@@ -176,10 +181,26 @@ class RedisCoordinator(Coordinator):
                 lambda e: isinstance(e, _TRANSIENT) and not isinstance(e, AuthenticationError)),
             reraise=True,
         )
+        self._first_contact()
         self._cas = self._r.register_script(_CAS)
         self._raise_floor = self._r.register_script(_RAISE_FLOOR)
         self._acquire = self._r.register_script(_ACQUIRE)
         self._release = self._r.register_script(_RELEASE)
+
+    def _first_contact(self) -> None:
+        """One PING: an unreachable server is a ``CoordinationError`` now. A server that
+        answers with an error (loading, a password problem) is reachable: the first real
+        call retries or explains that."""
+        try:
+            self._r.ping()
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as exc:
+            if isinstance(exc, AuthenticationError):
+                return
+            self._r.close()
+            raise CoordinationError(
+                f"Redis at {self.url} is unreachable ({type(exc).__name__}: {exc})") from exc
+        except RedisError:
+            return
 
     @staticmethod
     def _key(run: str, what: str) -> str:
@@ -302,7 +323,5 @@ class RedisCoordinator(Coordinator):
 
     def close(self) -> None:
         """Close the connection pool."""
-        try:
+        with contextlib.suppress(RedisError):  # a dead server's sockets: nothing to release
             self._r.close()
-        except RedisError:
-            pass  # closing sockets of a dead server: nothing left to release

@@ -26,6 +26,10 @@ class HistoryRow:
     writer: str
     detail: str
     metrics: dict[str, float]
+    #: A version's encoding (codec, and why a predictive one was not used), else "".
+    encoding: str = ""
+    #: A version's encoded size as a fraction of its raw size, else ``None``.
+    of_raw: float | None = None
 
 
 def history(address: RunAddress) -> tuple[ControlIndex, list[HistoryRow]]:
@@ -44,7 +48,8 @@ def history(address: RunAddress) -> tuple[ControlIndex, list[HistoryRow]]:
         ratio = info.seal.encoded_bytes / info.seal.raw_bytes if info.seal.raw_bytes else 0.0
         rows.append((info.offset, HistoryRow(
             "version", info.version, info.step, info.gsn, info.time_ms, info.writer,
-            f"{info.seal.encoding}, {ratio:.3f} of raw", idx.metrics.get(info.version, {}))))
+            f"{info.seal.encoding}, {ratio:.3f} of raw", idx.metrics.get(info.version, {}),
+            info.seal.encoding, ratio)))
     for offset, env in idx.markers:
         kind = "snapshot-begin" if env.kind == "SnapshotBegin" else "snapshot-end"
         rows.append((offset, HistoryRow(kind, env.version, env.step, env.gsn, env.time_ms,
@@ -78,6 +83,7 @@ def diff(address: RunAddress, a: Target, b: Target, *, workers: int = 2) -> list
         x, y = ta.get(name), tb.get(name)
         if x is None or y is None or x.shape != y.shape or x.dtype != y.dtype:
             ref = y if x is None else x
+            assert ref is not None  # the name came from one of the two
             out.append(TensorDiff(name, str(ref.dtype).removeprefix("torch."), list(ref.shape),
                                   ref.numel(), float("nan"), False))
             continue
@@ -105,7 +111,7 @@ def plot(address: RunAddress, out: Path) -> Path:
     names = sorted({k for r in versions for k in r.metrics})[:6]
     fig, axes = plt.subplots(max(1, len(names)), 1, figsize=(10, 2.2 * max(1, len(names)) + 0.6),
                              sharex=True, squeeze=False)
-    for ax, name in zip(axes[:, 0], names or ["(no metrics)"]):
+    for ax, name in zip(axes[:, 0], names or ["(no metrics)"], strict=True):
         xs = [r.version for r in versions if name in r.metrics]
         ax.plot(xs, [r.metrics[name] for r in versions if name in r.metrics], lw=1.2)
         ax.set_ylabel(name, fontsize=8)

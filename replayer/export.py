@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -45,12 +46,28 @@ def export(
     out.mkdir(parents=True, exist_ok=True)
     model = {k: v.contiguous() for k, v in trees["model"].items()}
     path = out / "model.safetensors"
-    safetensors.torch.save_file(model, str(path), metadata={
-        "run_id": state.run_id, "version": str(state.version), "step": str(state.step)})
+    # save() and our own write, not save_file(): that one renames a private (mode 0600) temp
+    # file into place, while every other file written here gets the usual umask mode.
+    _write_atomic(path, safetensors.torch.save(model, metadata={
+        "run_id": state.run_id, "version": str(state.version), "step": str(state.step)}))
     written = [path]
     if fmt == "hf" and config_hook:
-        config = load_hook(config_hook)(trees)
+        hook = load_hook(config_hook)
+        try:
+            text = json.dumps(hook(trees), indent=2, sort_keys=True) + "\n"
+        except Exception as exc:  # the user's code: its failure is reported as theirs, in one line
+            raise ConfigError(f"config hook {config_hook!r} failed: {type(exc).__name__}: {exc}") from exc
         cfg = out / "config.json"
-        cfg.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        _write_atomic(cfg, text.encode())
         written.append(cfg)
     return written
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temp name, flush it to disk, then rename it to ``path``."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

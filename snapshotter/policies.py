@@ -3,12 +3,17 @@
 Triggers compose with ``|`` (any) and ``&`` (all): ``every_versions(100) | every_seconds(600)``.
 Retention rules compose the same way: ``keep_last(3) | keep_best(2, "reward")`` keeps the
 union, ``&`` the intersection. The newest valid snapshot is always kept, whatever the rule.
+A bad argument (a count below 1, a negative or non-finite interval, an unknown mode) is a
+``ConfigError`` naming the policy.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from eventlog.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -38,15 +43,22 @@ class Trigger:
         return self._text
 
 
+def _at_least(low: int, value: object, what: str) -> None:
+    """Refuse ``value`` unless it is an int >= ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"{what} needs a whole number >= {low}, got {value!r}")
+
+
 def every_versions(n: int) -> Trigger:
     """Snapshot once ``n`` versions were sealed since the last snapshot."""
-    if n < 1:
-        raise ValueError("every_versions needs n >= 1")
+    _at_least(1, n, "every_versions(n)")
     return Trigger(lambda p: p.versions_since >= n, f"every_versions({n})")
 
 
 def every_seconds(s: float) -> Trigger:
     """Snapshot once ``s`` seconds passed since the last one (and something changed)."""
+    if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
+        raise ConfigError(f"every_seconds(s) needs a finite number of seconds >= 0, got {s!r}")
     return Trigger(lambda p: p.versions_since > 0 and p.seconds_since >= s, f"every_seconds({s})")
 
 
@@ -85,14 +97,18 @@ class Retention:
 
 
 def keep_last(n: int) -> Retention:
-    """Keep the ``n`` newest snapshots."""
+    """Keep the ``n`` newest snapshots (``0``: only the newest, which is always kept)."""
+    _at_least(0, n, "keep_last(n)")
     return Retention(lambda s: {x.snapshot_id for x in s[-n:]} if n > 0 else set(), f"keep_last({n})")
 
 
 def keep_best(k: int, metric: str, mode: str = "max") -> Retention:
     """Keep the ``k`` snapshots with the best ``metric`` (``mode``: max or min)."""
+    _at_least(1, k, "keep_best(k)")
+    if not isinstance(metric, str) or not metric:
+        raise ConfigError(f"keep_best(metric) needs a metric name, got {metric!r}")
     if mode not in ("max", "min"):
-        raise ValueError("keep_best mode must be 'max' or 'min'")
+        raise ConfigError(f"keep_best(mode) must be 'max' or 'min', got {mode!r}")
     sign = -1.0 if mode == "max" else 1.0
 
     def keep(s: Sequence[SnapshotInfo]) -> set[str]:
@@ -105,6 +121,7 @@ def keep_best(k: int, metric: str, mode: str = "max") -> Retention:
 
 def keep_every(steps: int) -> Retention:
     """Keep, for every multiple of ``steps``, the first snapshot at or after it."""
+    _at_least(1, steps, "keep_every(steps)")
 
     def keep(s: Sequence[SnapshotInfo]) -> set[str]:
         kept: dict[int, SnapshotInfo] = {}

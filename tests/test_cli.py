@@ -28,7 +28,7 @@ def test_demo_prints_bit_exact_yes_and_recover_writes_a_safe_checkpoint(tmp_path
     recorded = run_dir / "recorded"
     hist = _rewind("history", "--run-dir", str(recorded), "--json")
     assert hist.returncode == 0, hist.stderr
-    rows = json.loads(hist.stdout)
+    rows = json.loads(hist.stdout)["rows"]
     versions = [r for r in rows if r["kind"] == "version"]
     assert [r["version"] for r in versions] == list(range(1, 9))
     assert [r["step"] for r in versions] == list(range(8))
@@ -37,7 +37,7 @@ def test_demo_prints_bit_exact_yes_and_recover_writes_a_safe_checkpoint(tmp_path
 
     rep = _rewind("replay", "--run-dir", str(recorded), "--to", "step=3", "--json")
     assert rep.returncode == 0, rep.stderr
-    report = json.loads(rep.stdout)
+    report = json.loads(rep.stdout)["report"]
     assert (report["version"], report["step"], report["skipped_duplicate"]) == (4, 3, 0)
 
     out = tmp_path / "ckpt"
