@@ -7,6 +7,7 @@ back into torch ``state_dict`` trees; ``write_checkpoint`` writes a restorable c
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -18,15 +19,17 @@ from typing import Any
 
 import torch
 
-from eventlog import RunAddress, Target, knobs
+from eventlog import RunAddress, Target
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
 from eventlog.errors import BatchedStepsMismatchError, DecodeError, IntegrityError
 from eventlog.fold.engine import FoldStart, RebuiltState, index_control, rebuild
 from eventlog.ports import EventLog
-from snapshotter.catalog import newest_valid
-from snapshotter.store import SnapshotStore
+from eventlog.settings import Settings, current
+from snapshotter.catalog import newest_valid, run_store
 
 _log = logging.getLogger(__name__)
+#: The default target: the newest sealed version.
+LATEST = Target()
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,13 @@ class ReplayReport:
     #: The snapshot the replay started from (``None``: the start of the log).
     snapshot: str | None = None
     snapshot_version: int = 0
-    #: Newer snapshots that were passed over, and why.
+    #: Newer snapshots that were passed over, and why: what is damaged, or, for one that
+    #: retention deleted on purpose, a reason that begins with "deleted by retention".
     passed_over: list[tuple[str, str]] = field(default_factory=list)
+    #: Versions folded from the log after the start (the snapshot, or the start of the log).
     tail_versions: int = 0
+    #: The id of the snapshot the replay started from (``None``: the start of the log).
+    snapshot_id: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data."""
@@ -59,34 +66,45 @@ class ReplayReport:
 
 def replay(
     address: RunAddress,
-    target: Target = Target(),
+    target: Target = LATEST,
     *,
     workers: int = 2,
     on_bytes: Callable[[int], None] | None = None,
     use_snapshots: bool = True,
+    settings: Settings | None = None,
+    share_torch_threads: bool = False,
 ) -> tuple[RebuiltState, ReplayReport]:
     """Rebuild the run's state at ``target`` from the newest good snapshot at or before it
-    plus the log tail, verified against the target's seal."""
+    plus the log tail, verified against the target's seal.
+
+    ``settings``: whether to batch optimizer steps (``replay_defer_steps``; default
+    ``current()``, whose limits the fold's internals use). ``share_torch_threads``: divide
+    torch's intra-op threads among the workers while they fold; it changes a process-wide
+    setting (restored after), so only a process that owns torch turns it on (the ``rewind``
+    CLI does)."""
+    settings = settings or current()
     t0 = time.perf_counter()
     with address.open_log() as log:
         idx = index_control(log)
         version = idx.resolve(target)
+        # Without a store address, the run's own end markers say where its snapshots live.
+        store = run_store(address.snapshots_url, idx, log.run_id) if use_snapshots else None
 
         def start_at(checked: bool) -> tuple[FoldStart | None, list[tuple[str, str]]]:
-            if not (use_snapshots and address.snapshots_url):
+            if store is None:
                 return None, []
-            return newest_valid(SnapshotStore(address.snapshots_url), log, idx, version,
-                                workers=workers, checked=checked)
+            return newest_valid(store, log, idx, version, workers=workers, checked=checked)
 
         def fold(start: FoldStart | None, batched: bool) -> RebuiltState:
             return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
-                           defer_steps=batched, grad_digests=not batched)
+                           defer_steps=batched, grad_digests=not batched,
+                           share_torch_threads=share_torch_threads)
 
         # A batched fold leaves to the target's seal what the seal covers: each gradient
         # chunk's digest (hashing them streamed 4 GB through memory a second time in a
         # 10-version tail of a 100M model), and the snapshot files' checksums and shard
         # digests (two passes over the whole state).
-        batched = bool(knobs.REPLAY_DEFER_STEPS)
+        batched = settings.replay_defer_steps
         start, passed = start_at(checked=not batched)
         try:
             state = fold(start, batched)
@@ -125,6 +143,7 @@ def replay(
         snapshot_version=start.version if start else 0,
         passed_over=passed,
         tail_versions=state.version - (start.version if start else 0),
+        snapshot_id=start.snapshot_id if start else None,
     )
     return state, report
 
@@ -133,11 +152,16 @@ def _source(start: FoldStart | None) -> str:
     return start.source if start else "the start of the log"
 
 
-def restorer(address: RunAddress, workers: int = 2) -> Callable[[EventLog], RebuiltState]:
-    """A ``Recorder`` restorer that starts from the newest good snapshot (and a short tail)."""
+#: How a ``Recorder`` obtains the state it restores, with the report of how it was rebuilt.
+Restorer = Callable[[EventLog], tuple[RebuiltState, ReplayReport]]
 
-    def restore(_log: EventLog) -> RebuiltState:
-        return replay(address, Target(), workers=workers)[0]
+
+def restorer(address: RunAddress, workers: int = 2) -> Restorer:
+    """The ``Recorder``'s restore: the newest sealed version, from the newest good snapshot
+    plus the log tail (``workers``: shards folded in parallel)."""
+
+    def restore(_log: EventLog) -> tuple[RebuiltState, ReplayReport]:
+        return replay(address, LATEST, workers=workers)
 
     return restore
 
@@ -155,16 +179,23 @@ def write_checkpoint(state: RebuiltState, report: ReplayReport, out: Path) -> li
     for name, tree in state_dicts(state).items():
         if name in TENSOR_ROLES:
             path = out / f"{name}.pt"
-            _atomic(path, lambda p, t=tree: torch.save(t, p))
+            _atomic(path, functools.partial(_save_tree, tree))
         else:
             path = out / f"{name.replace('/', '_')}.msgpack"
-            raw = state.small.states[name]
-            _atomic(path, lambda p, b=raw: Path(p).write_bytes(b))
+            _atomic(path, functools.partial(_write_bytes, state.small.states[name]))
         written.append(path)
     path = out / "recovery.json"
     _atomic(path, lambda p: Path(p).write_text(json.dumps(report.to_json(), indent=2) + "\n"))
     written.append(path)
     return written
+
+
+def _save_tree(tree: Any, path: str) -> None:
+    torch.save(tree, path)
+
+
+def _write_bytes(data: bytes, path: str) -> None:
+    Path(path).write_bytes(data)
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:

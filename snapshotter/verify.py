@@ -1,18 +1,61 @@
-"""The health patrol behind ``rewind verify``: every snapshot and the log after it.
+"""The health patrol behind ``rewind verify``: every version a replay can reach, and every
+kept snapshot.
 
-Each snapshot is classified (valid, orphan, deleted by retention, damaged) by the same code
-recovery uses; then the log from the oldest valid snapshot (or its start) to its end is
-folded and verified: every version sealed, no version missing, every event count and
-digest matching its seal.
+A version is reachable when a replay to it can succeed: the log holds its records from the
+start of the log, or from a snapshot that verifies and that the log still reaches (after a
+truncation, the oldest such snapshot is where the reachable history begins). The patrol
+folds each partition once, from the oldest reachable version to the newest, record by
+record, with every check a replay makes:
+
+* every record is read from its store and decoded (its framing, its run id, its
+  authentication when encrypted);
+* every tensor chunk is decoded, and the digest of the bits it produces checked. For a
+  predictive version that means: its gradient chunks' digests (a gradient chunk carries
+  its own bits), its optimizer step replayed on the previous version's bits with the
+  digests the recording predicted compared, then its residual chunks' digests on top;
+* every version's event count per shard against its seal (a missing record), and its
+  small states' digest against its seal;
+* every shard's digest against the newest seal; ``deep`` checks it against the seal of
+  every version, which also finds a seal whose digests are damaged but still decode (it
+  costs hashing the whole state once per version).
+
+No cheaper pass finds a damaged payload of an XOR or predictive version: its XOR and
+residual chunks carry only the digest of the bits they produce, so checking one needs the
+bits it applies to, which only replaying the steps before it gives. So the default pass is
+one step-by-step fold (no batched steps: each failure names its own record), each shard's
+on its own thread, and what it costs grows with the reachable history.
+
+A damaged record is named by version, shard (or control), offset and the file that holds
+it (segment file or database). The fold of its partition then goes on from the oldest
+kept snapshot past it; the versions in between are reported unreachable. Each snapshot
+the log announces is classified by the code recovery uses: valid, deleted by retention
+(its tombstone says so), orphan (no end marker) or damaged.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-from eventlog import RewindError, RunAddress, Target
-from eventlog.fold.engine import FoldStart, index_control, rebuild
-from snapshotter.catalog import load_start, markers
+from eventlog import RewindError, RunAddress
+from eventlog.errors import CorruptStoreError, DigestMismatchError, IntegrityError
+from eventlog.events import Envelope, OptimizerStep, RunStarted
+from eventlog.fold.apply import APPLIED, ShardState
+from eventlog.fold.engine import (
+    ControlIndex,
+    FoldStart,
+    SmallStates,
+    events,
+    fold_control,
+    index_control,
+    verify_small,
+)
+from eventlog.ports import CONTROL, EventLog
+from eventlog.settings import current
+from snapshotter.catalog import DELETED_BY_RETENTION, Marker, absence, load_start, markers, run_store
 from snapshotter.store import SnapshotStore
 
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -27,62 +70,499 @@ class Finding:
     detail: str
 
 
+@dataclass(frozen=True)
+class DamagedRecord:
+    """A record a replay fails on (or, ``offset`` ``None``, records a seal counts that the
+    log does not hold)."""
+
+    #: The version it belongs to (``None``: it does not decode and no count says which).
+    version: int | None
+    #: ``eventlog.ports.CONTROL`` (-1), or a tensor shard.
+    partition: int
+    offset: int | None
+    #: The file that holds it: a segment file, the database, or the log's address.
+    file: str
+    error: str
+
+    def where(self) -> str:
+        """``version V, shard S, offset O`` as a reader says it."""
+        version = "version ?" if self.version is None else f"version {self.version}"
+        part = "control" if self.partition == CONTROL else f"shard {self.partition}"
+        at = "records missing" if self.offset is None else f"offset {self.offset}"
+        return f"{version}, {part}, {at}"
+
+
 @dataclass
 class VerifyReport:
     """Everything the patrol checked; ``ok`` is False on any failure."""
 
     findings: list[Finding] = field(default_factory=list)
+    damaged: list[DamagedRecord] = field(default_factory=list)
+    #: The reachable history the patrol folded: ``(first, last)`` version (``None``: none).
+    covered: tuple[int, int] | None = None
+    #: Sealed versions that no replay can reach because of damage.
+    unreachable: list[int] = field(default_factory=list)
+    deep: bool = False
 
     @property
     def ok(self) -> bool:
         """True when nothing failed (warnings allowed)."""
         return all(f.status != FAIL for f in self.findings)
 
+    def to_json(self) -> dict[str, Any]:
+        """The report as JSON-ready data."""
+        return {"ok": self.ok, "deep": self.deep,
+                "covered": None if self.covered is None else
+                {"first": self.covered[0], "last": self.covered[1]},
+                "unreachable": _ranges(self.unreachable),
+                "damaged": [asdict(d) for d in self.damaged],
+                "findings": [asdict(f) for f in self.findings]}
 
-def verify_run(address: RunAddress, *, workers: int = 2) -> VerifyReport:
-    """Check every snapshot of a run and the log from the oldest good one to the end."""
-    report = VerifyReport()
-    store = SnapshotStore(address.snapshots_url) if address.snapshots_url else None
-    with address.open_log() as log:
-        idx = index_control(log)
-        known = markers(idx)
-        valid: list[FoldStart] = []
-        for sid, marker in sorted(known.items(), key=lambda kv: kv[1].version):
-            subject = f"snapshot {sid} (version {marker.version})"
-            if store is None:
-                report.findings.append(Finding(subject, WARN, "no snapshot store configured"))
-                continue
-            folder = store.directory(log.run_id, sid)
-            if marker.end is None:
-                report.findings.append(Finding(subject, WARN, f"orphan: begin marker at control "
-                                               f"offset {marker.begin_offset} but no end marker; "
-                                               f"files in {folder} are unused"))
-                continue
-            if not folder.exists():
-                report.findings.append(Finding(subject, OK, "deleted by retention"))
-                continue
-            try:
-                valid.append(load_start(store, log, idx, marker, workers=workers))
-                report.findings.append(Finding(subject, OK, f"files and digests verify ({folder})"))
-            except RewindError as exc:
-                report.findings.append(Finding(subject, FAIL, str(exc)))
-        if store is not None:
-            for sid in store.list(log.run_id):
-                if sid not in known:
-                    report.findings.append(Finding(f"snapshot {sid}", WARN,
-                                                   "directory without any marker in the log (orphan)"))
-        start = min(valid, key=lambda s: s.version) if valid else None
-        since = start.version if start else 0
-        versions = sorted(v for v in idx.seals if v > since)
-        missing = sorted(set(range(since + 1, versions[-1] + 1)) - set(versions)) if versions else []
-        if missing:
-            report.findings.append(Finding("log", FAIL, f"versions {missing[:10]} have no seal"))
+    def damage(self, record: DamagedRecord) -> None:
+        """Add a damaged record, and the failure line that names it."""
+        self.damaged.append(record)
+        self.findings.append(Finding(f"record {record.where()}", FAIL, f"{record.error} (in {record.file})"))
+
+
+def verify_run(address: RunAddress, *, workers: int = 2, deep: bool = False) -> VerifyReport:
+    """Check every kept snapshot of a run, and every version a replay can reach (see the
+    module docstring; ``deep``: every version's shard digests against its seal too)."""
+    report = VerifyReport(deep=deep)
+    try:
+        opened = address.open_log()
+    except CorruptStoreError as exc:
+        report.findings.append(Finding("log", FAIL, f"{exc}; no version is reachable"))
+        return report
+    with opened as log:
         try:
-            state = rebuild(log, Target(), workers=workers, idx=idx, start=start)
-            report.findings.append(Finding(
-                "log", OK, f"versions {since + 1}..{state.version} from "
-                f"{start.source if start else 'the start of the log'}: {state.counts.applied} events "
-                "applied, every count and digest matches its seal"))
+            idx = index_control(log)
         except RewindError as exc:
-            report.findings.append(Finding("log", FAIL, f"{type(exc).__name__}: {exc}"))
+            if not _control_damage(log, exc, report):
+                raise  # no such run, or a server that does not answer: nothing to patrol
+            report.findings.append(Finding("log", FAIL, "no version is reachable: every replay "
+                                           "reads the whole control partition"))
+            return report
+        store = run_store(address.snapshots_url, idx, log.run_id)
+        valid = _check_snapshots(report, store, log, idx, workers)
+        _check_log(report, log, idx, _Starts(store, log, idx, valid, workers), workers, deep)
     return report
+
+
+def _control_damage(log: EventLog, exc: RewindError, report: VerifyReport) -> bool:
+    """Name the control record ``index_control`` failed on; False if every record reads
+    (the error is about the run or the store, not a record)."""
+    damaged = _unreadable_control(log)
+    if damaged is not None:
+        report.damage(damaged)
+        return True
+    if log.start_offset(CONTROL) == 0 and log.end_offset(CONTROL) > 0:
+        report.findings.append(Finding("log", FAIL, f"{type(exc).__name__}: {exc}"))
+        return True
+    return False
+
+
+def _unreadable_control(log: EventLog) -> DamagedRecord | None:
+    """The first control record that does not read or decode, or is missing."""
+    records = _Records(log, CONTROL, None)
+    try:
+        while records.peek() is not None:
+            records.take()
+    except RewindError as exc:
+        offset = records.failed_at
+        return DamagedRecord(None, CONTROL, offset, log.record_file(CONTROL, offset),
+                             f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _check_snapshots(report: VerifyReport, store: SnapshotStore | None, log: EventLog,
+                     idx: ControlIndex, workers: int) -> list[Marker]:
+    """Classify every snapshot the log announces (and directories it does not); returns
+    the ones that verify, oldest first."""
+    known = markers(idx)
+    valid: list[Marker] = []
+    for sid, marker in sorted(known.items(), key=lambda kv: kv[1].version):
+        subject = f"snapshot {sid} (version {marker.version})"
+        if store is None:
+            report.findings.append(Finding(subject, WARN, "no snapshot store configured"))
+            continue
+        folder = store.directory(log.run_id, sid)
+        if marker.end is None:
+            report.findings.append(Finding(subject, WARN, f"orphan: begin marker at control "
+                                           f"offset {marker.begin_offset} but no end marker; "
+                                           f"files in {folder} are unused"))
+            continue
+        gone = absence(store, log.run_id, sid)
+        if gone is not None:
+            report.findings.append(Finding(subject, OK if gone.startswith(DELETED_BY_RETENTION) else WARN,
+                                           gone))
+            continue
+        try:
+            load_start(store, log, idx, marker, workers=workers)
+        except RewindError as exc:
+            report.findings.append(Finding(subject, FAIL, str(exc)))
+            continue
+        valid.append(marker)
+        report.findings.append(Finding(subject, OK, f"files and digests verify ({folder})"))
+    if store is not None:
+        for sid in store.list(log.run_id):
+            if sid not in known:
+                report.findings.append(Finding(f"snapshot {sid}", WARN,
+                                               "directory without any marker in the log (orphan)"))
+    return valid
+
+
+class _Starts:
+    """Where a fold can start: the start of the log (unless it was truncated) and every
+    valid snapshot that the log still reaches, each loaded (once) when a fold needs it."""
+
+    def __init__(self, store: SnapshotStore | None, log: EventLog, idx: ControlIndex,
+                 valid: list[Marker], workers: int) -> None:
+        self._store, self._log, self._idx, self._workers = store, log, idx, workers
+        parts = log.partitions()
+        firsts = [log.start_offset(p) for p in parts]
+        self.from_log_start = all(f == 0 for f in firsts)
+        #: Valid snapshots the log reaches (every partition still holds their tails).
+        self.snapshots = [m for m in valid if m.end is not None and len(m.end.next_offsets) == len(parts)
+                          and all(f <= n for f, n in zip(firsts, m.end.next_offsets, strict=True))]
+        self._loaded: dict[str, FoldStart] = {}
+        self._lock = threading.Lock()
+
+    def first(self) -> Marker | None:
+        """The oldest snapshot to start from, when the log's start is gone."""
+        return None if self.from_log_start or not self.snapshots else self.snapshots[0]
+
+    def after(self, partition: int, version: int, offset: int | None) -> Marker | None:
+        """The oldest snapshot at or after ``version`` whose tail on ``partition`` begins
+        after ``offset`` (a damaged record there is then behind it)."""
+        for m in self.snapshots:
+            assert m.end is not None
+            if m.version >= version and (offset is None or m.end.next_offsets[partition + 1] > offset):
+                return m
+        return None
+
+    def load(self, marker: Marker) -> FoldStart:
+        """The snapshot's state (each partition's fold takes its own part of it)."""
+        assert self._store is not None
+        with self._lock:
+            start = self._loaded.get(marker.snapshot_id)
+            if start is None:
+                start = load_start(self._store, self._log, self._idx, marker, workers=self._workers)
+                self._loaded[marker.snapshot_id] = start
+            return start
+
+
+@dataclass
+class _Walk:
+    """What the fold of one partition found."""
+
+    damaged: list[DamagedRecord] = field(default_factory=list)
+    #: Versions that no replay reaches because of what this partition holds.
+    bad: set[int] = field(default_factory=set)
+    applied: int = 0
+
+
+def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _Starts,
+               workers: int, deep: bool) -> None:
+    """Fold every partition over the reachable history (see the module docstring)."""
+    versions = sorted(idx.seals)
+    if not versions:
+        report.findings.append(Finding("log", WARN, "no sealed version to check"))
+        return
+    for v in sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))[:10]:
+        report.damage(DamagedRecord(v, CONTROL, None, log.record_file(CONTROL),
+                                    f"version {v} has no seal, between sealed versions"))
+    _scan_control(report, log)
+    base = starts.first()
+    if not starts.from_log_start and base is None:
+        report.unreachable = versions
+        report.findings.append(Finding("log", FAIL, "no version is reachable: the log was "
+                                       "truncated, and no snapshot that verifies holds its start"))
+        return
+    since = base.version if base is not None else 0
+    first = min(v for v in versions if v >= since)
+    below = [v for v in versions if v < since]
+    if below:  # sealed, but their records are truncated: retention never leaves that
+        report.damage(DamagedRecord(below[0], CONTROL, None, log.record_file(CONTROL),
+                                    f"versions {', '.join(_ranges(below))} are sealed, but the log "
+                                    f"no longer holds their records (it starts at {_base_name(base)})"))
+    report.covered = (first, versions[-1])
+    checkpoints = [v for v in versions if v > since] if deep else [versions[-1]]
+    shards = len(log.partitions()) - 1
+    walks = [_walk_control(log, idx, starts, base)]
+    with ThreadPoolExecutor(max(1, min(workers, shards))) as pool:
+        walks += list(pool.map(lambda s: _walk_shard(log, idx, starts, base, s, checkpoints), range(shards)))
+    bad: set[int] = set()
+    for walk in walks:
+        for record in walk.damaged:
+            report.damage(record)
+        bad |= walk.bad
+    report.unreachable = sorted(v for v in bad | set(below) if v in idx.seals)
+    source = _base_name(base)
+    checked = "every version's" if deep else "the newest version's"
+    summary = (f"versions {first}..{versions[-1]} folded from {source}: "
+               f"{sum(w.applied for w in walks)} events applied, every event count and small-state "
+               f"digest and {checked} shard digests checked against the seals")
+    if report.unreachable:
+        report.findings.append(Finding("log", FAIL, f"{summary}; unreachable because of damage: "
+                                       f"versions {', '.join(_ranges(report.unreachable))}"))
+    else:
+        report.findings.append(Finding("log", OK, summary))
+
+
+def _scan_control(report: VerifyReport, log: EventLog) -> None:
+    """Read every control record again, one fold's way: ``index_control`` read them all,
+    but in a log with dense offsets only this scan sees records that are missing."""
+    damaged = _unreadable_control(log) if log.dense_offsets else None
+    if damaged is not None:
+        report.damage(damaged)
+
+
+def _base_name(base: Marker | None) -> str:
+    """Where the reachable history begins, as a reader says it."""
+    return "the start of the log" if base is None else f"snapshot {base.snapshot_id} (version {base.version})"
+
+
+def _walk_control(log: EventLog, idx: ControlIndex, starts: _Starts, base: Marker | None) -> _Walk:
+    """Fold the small states version by version, each checked against its seal (records
+    that do not decode were found by ``index_control`` already)."""
+    walk = _Walk()
+    small = starts.load(base).small if base is not None else SmallStates()
+    since = base.version if base is not None else 0
+    for v in sorted(x for x in idx.seals if x > since):
+        seal = idx.seals[v]
+        fold_control(log, idx, v, small, small.next_offset - 1 if small.next_offset else None)
+        try:
+            verify_small(small, seal)
+        except DigestMismatchError as exc:
+            walk.bad.add(v)
+            if v - 1 not in walk.bad:  # one damaged state fails every version until replaced
+                walk.damaged.append(DamagedRecord(
+                    v, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
+                    f"{exc}: the seal of version {v}, or a small-state record of it or before it, "
+                    "is damaged"))
+    walk.applied = small.counts.applied
+    return walk
+
+
+class _Records:
+    """A partition's records after an offset, with a look at the next one before it is taken.
+
+    A read fetches several records at once; after one fails, they are read one at a time,
+    so that ``failed_at`` names the very record that does not read or decode."""
+
+    def __init__(self, log: EventLog, partition: int, gt: int | None) -> None:
+        self.log, self.partition = log, partition
+        #: The offset and version of the last record taken.
+        self.last_offset: int | None = gt
+        self.last_version: int | None = None
+        #: The offset of the record that did not read or decode (after ``peek`` raised).
+        self.failed_at: int | None = None
+        self._end = log.end_offset(partition)
+        self._it = events(log, partition, gt=gt, lte=self._end - 1)
+        self._next: tuple[int, int, Envelope] | None = None
+        self._one_by_one = False
+
+    def peek(self) -> tuple[int, int, Envelope] | None:
+        """The next record, or ``None`` at the end (raises if it does not read or decode,
+        or if records before it, or at the end, are missing from a log with dense offsets)."""
+        if self._next is not None:
+            return self._next
+        if not self._one_by_one:
+            try:
+                self._next = next(self._it, None)
+            except RewindError:
+                self._one_by_one = True
+        if self._one_by_one:
+            self._next = self._single()
+        if self.log.dense_offsets:
+            want = self.log.start_offset(self.partition) if self.last_offset is None else self.last_offset + 1
+            found = self._end if self._next is None else self._next[0]
+            if found > want:
+                # A damaged index can hide records from a scan without any error.
+                self._next, self.failed_at = None, want
+                raise IntegrityError(f"run {self.log.run_id!r} partition {self.partition}: records at "
+                                     f"offsets {want}..{found - 1} are missing (the partition ends at "
+                                     f"{self._end})")
+        return self._next
+
+    def _single(self) -> tuple[int, int, Envelope] | None:
+        gt = self.last_offset
+        # (offsets are dense but for the gaps Kafka's transaction markers leave)
+        self.failed_at = self.log.start_offset(self.partition) if gt is None else gt + 1
+        found = self.log.read(self.partition, gt=gt, lte=self._end - 1, limit=1)
+        if not found:
+            self.failed_at = None
+            return None
+        self.failed_at = found[0].offset
+        record = next(events(self.log, self.partition, gt=gt, lte=found[0].offset), None)
+        self.failed_at = None
+        return record
+
+    def take(self) -> None:
+        assert self._next is not None
+        self.last_offset, self.last_version = self._next[0], self._next[2].version
+        self._next = None
+
+    def newer(self) -> bool:
+        """Whether records were committed since the scan began (a log being written, or a
+        transaction whose partitions become visible a moment apart); scan them too."""
+        end = self.log.end_offset(self.partition)
+        if end <= self._end:
+            return False
+        self._it = events(self.log, self.partition, gt=self.last_offset, lte=end - 1)
+        self._end = end
+        return True
+
+
+def _walk_shard(log: EventLog, idx: ControlIndex, starts: _Starts, base: Marker | None, shard: int,
+                checkpoints: list[int]) -> _Walk:
+    """Fold one shard from ``base`` (``None``: the start of the log) to the newest version;
+    after a damaged record, on from the oldest snapshot past it."""
+    walk = _Walk()
+    versions = sorted(idx.seals)
+    point: Marker | None = base
+    while True:
+        if point is None:
+            state, gt, since, layout = ShardState(shard), None, 0, None
+        else:
+            start = starts.load(point)
+            state, since, layout = start.shards[shard], point.version, start.layout
+            gt = start.next_offsets[shard + 1] - 1
+        broken = _fold(log, idx, state, gt, since, layout, [c for c in checkpoints if c > since], walk)
+        walk.applied += state.counts.applied
+        if broken is None:
+            return walk
+        version, offset = broken
+        point = starts.after(shard, version, offset)
+        resume = point.version if point is not None else versions[-1] + 1
+        walk.bad.update(v for v in versions if version <= v < resume)
+        if point is None:
+            return walk
+
+
+def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
+          base_layout: RunStarted | None, checkpoints: list[int],
+          walk: _Walk) -> tuple[int, int | None] | None:
+    """Apply the shard's records after offset ``gt`` and check each checkpoint version.
+    Returns ``None`` when the newest version was reached, else ``(first version a replay
+    cannot reach, offset of the damaged record or None)`` after adding it to ``walk``."""
+    shard, seals, newest = state.shard, idx.seals, max(idx.seals)
+    sealed = set(seals)
+    records = _Records(log, shard, gt)
+    settle = current().settle_s
+
+    def damaged(version: int | None, offset: int | None, exc: RewindError) -> None:
+        walk.damaged.append(DamagedRecord(version, shard, offset, log.record_file(shard, offset),
+                                          f"{type(exc).__name__}: {exc}"))
+
+    for target in checkpoints:
+        while True:
+            try:
+                rec = records.peek()
+            except RewindError as exc:
+                offset = records.failed_at
+                # Every replay that reads it fails, those of the version before it too:
+                # a fold reads the first record past its target to see where it stops.
+                first = records.last_version if records.last_version is not None else since
+                damaged(_short_of(state, idx, since, newest), offset, exc)
+                return max(first, since), offset
+            if rec is None:
+                if target == newest and _short_of(state, idx, since, newest) is not None \
+                        and _settled(records, settle):
+                    continue
+                break
+            offset, nbytes, env = rec
+            if env.version > target:
+                break
+            where = f"run {log.run_id!r} shard {shard} offset {offset} (version {env.version})"
+            try:
+                state.apply(env, sealed, nbytes, where)
+            except DigestMismatchError as exc:
+                if not isinstance(env.body, OptimizerStep):
+                    raise
+                # The step ran; only its check of the digests it predicted failed (a damaged
+                # name or digest in the record, or a step that diverged). A replay's batched
+                # steps skip that check: the residual chunks and the seal still check the
+                # state the step left, here as there. So it is named, and the fold goes on.
+                damaged(env.version, offset, exc)
+                _count_applied(state, env, nbytes)
+            except RewindError as exc:
+                damaged(env.version, offset, exc)
+                short = _short_of(state, idx, since, env.version - 1)
+                return (env.version if short is None else short), offset
+            records.take()
+        short = _short_of(state, idx, since, target)
+        if short is not None:
+            want = seals[short].seal.shard_counts[shard]
+            walk.damaged.append(DamagedRecord(
+                short, shard, None, log.record_file(shard),
+                f"IntegrityError: shard {shard}, version {short}: applied "
+                f"{state.applied_per_version.get(short, 0)} of the {want} events its seal counts"))
+            return short, None
+        seal = seals[target]
+        layout = idx.layout_at(target, base_layout)
+        mismatch = _digest_mismatch(state, layout, seal.seal.shard_digests, target)
+        if mismatch is not None:
+            walk.damaged.append(DamagedRecord(
+                target, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
+                f"{mismatch}: the seal of version {target} is damaged, or a record whose own checks passed"))
+            walk.bad.add(target)  # the state is what the records say: later versions may match
+        since = target
+    return None
+
+
+def _settled(records: _Records, settle_s: float) -> bool:
+    """Wait up to ``settle_s`` for records the newest seal counts that are not visible yet;
+    whether some came."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        if records.newer():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _count_applied(state: ShardState, env: Envelope, nbytes: int) -> None:
+    """Count an event as applied, as ``ShardState.apply`` does once its body applied."""
+    state.applied_gsn = env.gsn
+    state.version = max(state.version, env.version)
+    state.applied_per_version[env.version] += 1
+    state.counts.add(APPLIED, nbytes)
+
+
+def _short_of(state: ShardState, idx: ControlIndex, since: int, upto: int) -> int | None:
+    """The first version in ``(since, upto]`` whose events on this shard differ in number
+    from what its seal counts."""
+    for v in sorted(x for x in idx.seals if since < x <= upto):
+        counts = idx.seals[v].seal.shard_counts
+        if state.shard < len(counts) and state.applied_per_version.get(v, 0) != counts[state.shard]:
+            return v
+    return None
+
+
+def _digest_mismatch(state: ShardState, layout: RunStarted, digests: tuple[bytes, ...],
+                     version: int) -> str | None:
+    """Why the shard's state is not the sealed state of ``version``, or ``None``."""
+    if state.shard >= len(digests):
+        return None
+    state.conform(layout.tensors)
+    try:
+        got = state.digest(layout.tensors, layout.chunk_bytes)
+    except IntegrityError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    if got != digests[state.shard]:
+        return (f"DigestMismatchError: shard {state.shard} rebuilt to version {version} has digest "
+                f"{got.hex()}, its seal records {digests[state.shard].hex()}")
+    return None
+
+
+def _ranges(versions: list[int]) -> list[str]:
+    """``[1, 2, 3, 7]`` as ``["1..3", "7"]``."""
+    out: list[str] = []
+    for v in sorted(versions):
+        if out and int(out[-1].rpartition(".")[2]) == v - 1:
+            out[-1] = f"{out[-1].partition('..')[0]}..{v}"
+        else:
+            out.append(str(v))
+    return out

@@ -2,7 +2,7 @@
 
 Invariant: an input either decodes (to exactly what was encoded, when it was not damaged)
 or raises one of Rewind's own errors; never another exception, never a hang, never an
-allocation beyond what the input's own length and the knobs allow. 10,000 cases per
+allocation beyond what the input's own length and the settings allow. 10,000 cases per
 decoder; ``REWIND_FUZZ_EXAMPLES`` changes the count. Inputs that once broke the invariant
 are kept in ``tests/data/fuzz/`` and replayed first.
 """

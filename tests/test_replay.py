@@ -104,7 +104,7 @@ def test_time_travel_to_every_tenth_step_is_exact(tmp_path: Path) -> None:
 
     updates = 200
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "rewind.demo.ppo", "--record", "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "rewind.demo.trainer", "--record", "--run-dir", str(run_dir),
            "--updates", str(updates), "--rollout-steps", "64", "--epochs", "2",
            "--snapshot-every", "50", "--digest-file", str(run_dir / "digests.jsonl"), "--quiet"]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)

@@ -1,0 +1,172 @@
+"""``rewind verify`` covers every version a replay can reach, and retention reads as retention.
+
+A damaged record below the oldest kept snapshot is found and named (version, shard, offset,
+file); a snapshot that retention deleted is reported as deleted by retention, by verify and
+by a replay that passes it over; ``rewind snapshot`` deletes nothing unless told to."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from eventlog import RewindError, RunAddress, Target
+from eventlog.fold.engine import events, index_control
+from eventlog.ports import CONTROL
+from replayer.replay import replay
+from snapshotter.catalog import DELETED_BY_RETENTION
+from snapshotter.policies import keep_last
+from snapshotter.store import SnapshotStore
+from snapshotter.verify import FAIL, OK, verify_run
+
+from .conftest import make_address
+from .test_snapshotter import Trainer, _snapshotter
+
+
+@pytest.fixture
+def run(backend: str, tmp_path: Path) -> RunAddress:
+    base = make_address(backend, tmp_path)
+    return dataclasses.replace(base, snapshots_url=f"file://{tmp_path / 'snapshots'}")
+
+
+def _cli(run: RunAddress, *args: str) -> list[str]:
+    """The installed ``rewind`` command line for ``run``."""
+    return ["rewind", *args, "--log", run.log_url, "--coord", run.coord_url, "--run", run.run_id,
+            "--snapshots", run.snapshots_url or ""]
+
+
+def _two_snapshots_one_deleted(run: RunAddress, trainer: Trainer) -> tuple[str, str]:
+    """Versions 1..6, a snapshot of 3 that retention deletes when the one of 6 is taken,
+    then versions 7..8; returns (deleted id, kept id)."""
+    ids = []
+    with _snapshotter(run, retention=keep_last(1)) as snap:
+        for _ in range(2):
+            trainer.train(3)
+            result = snap.snapshot(force=True)
+            assert result is not None
+            ids.append(result.snapshot_id)
+    trainer.train(2)
+    return ids[0], ids[1]
+
+
+def test_a_damaged_record_below_the_oldest_snapshot_is_named(tmp_path: Path) -> None:
+    run = dataclasses.replace(make_address("embedded", tmp_path),
+                              snapshots_url=f"file://{tmp_path / 'snapshots'}")
+    trainer = Trainer(run)
+    _, kept = _two_snapshots_one_deleted(run, trainer)
+    trainer.rec.close()
+    clean = verify_run(run)
+    assert clean.ok and clean.covered == (1, 8) and not clean.damaged, clean.findings
+
+    # A tensor chunk of version 2 (below the kept snapshot of version 6), in its segment file.
+    with run.open_log() as log:
+        offset = next(o for o, _, env in events(log, 0) if env.version == 2 and env.kind == "TensorDelta")
+        where = Path(log.record_file(0, offset))
+    with sqlite3.connect(tmp_path / "rewind.db") as conn:
+        pos, length = conn.execute("SELECT pos, length FROM extents WHERE run=? AND partition=0 AND offset=?",
+                                   (run.run_id, offset)).fetchone()
+    assert where.suffix == ".seg"
+    data = bytearray(where.read_bytes())
+    data[pos + length - 8] ^= 0x5A  # in the payload (only the key id's one byte follows it)
+    where.write_bytes(bytes(data))
+
+    with pytest.raises(RewindError, match=f"shard 0 offset {offset} "):
+        replay(run, Target("version", 2))
+    assert replay(run, Target())[1].snapshot_id == kept  # the newest versions still replay
+
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset, named.file) == (2, 0, offset, str(where))
+        assert report.covered == (1, 8) and report.unreachable == [2, 3, 4, 5]
+        failed = [f for f in report.findings if f.status == FAIL]
+        assert any(f"offset {offset}" in f.subject and str(where) in f.detail for f in failed)
+
+    # The installed command says the same, and exits 1 (a failed check).
+    done = subprocess.run([*_cli(run, "verify"), "--json"], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert done.returncode == 1, done.stderr
+    assert f"version 2, shard 0, offset {offset}" in done.stdout and str(where) in done.stdout
+
+
+def test_a_seal_damaged_in_its_digests_is_found_by_deep_only(tmp_path: Path) -> None:
+    """A seal whose shard digest changed but still decodes: only a replay to that very
+    version checks it, and so only ``deep`` does; the default pass checks the newest seal."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(4)
+    trainer.rec.close()
+    with run.open_log() as log:
+        seal = index_control(log).seals[2]
+    with sqlite3.connect(tmp_path / "rewind.db") as conn:
+        key = (run.run_id, CONTROL, seal.offset)
+        (value,) = conn.execute("SELECT value FROM records WHERE run=? AND partition=? AND offset=?",
+                                key).fetchone()
+        digest = seal.seal.shard_digests[1]
+        assert bytes(value).count(digest) == 1
+        conn.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
+                     (bytes(value).replace(digest, bytes(16)), *key))
+    with pytest.raises(RewindError, match="shard 1 rebuilt to version 2"):
+        replay(run, Target("version", 2))
+    assert verify_run(run).ok
+    report = verify_run(run, deep=True)
+    assert not report.ok and report.unreachable == [2]
+    [named] = report.damaged
+    assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset)
+
+
+def test_retention_is_reported_as_retention(run: RunAddress) -> None:
+    trainer = Trainer(run)
+    deleted, kept = _two_snapshots_one_deleted(run, trainer)
+    store = SnapshotStore(run.snapshots_url or "")
+    assert store.list(run.run_id) == [kept]
+
+    # Version 4 lies past the deleted snapshot (version 3) and before the kept one.
+    _, report = replay(run, Target("step", 3))
+    assert report.version == 4 and report.snapshot is None
+    [(sid, why)] = report.passed_over
+    assert sid == deleted and why.startswith(DELETED_BY_RETENTION), why
+
+    checked = verify_run(run)
+    assert checked.ok and checked.covered == (1, 8), checked.findings
+    [line] = [f for f in checked.findings if deleted in f.subject]
+    assert line.status == OK and line.detail.startswith(DELETED_BY_RETENTION)
+    trainer.rec.close()
+
+
+def test_one_snapshot_now_deletes_nothing_unless_told(run: RunAddress) -> None:
+    from rewind import cli
+
+    trainer = Trainer(run)
+    for _ in range(4):  # the old default kept 3; the command's own defaults, in this process
+        trainer.train(1)
+        assert cli.snapshot(log=run.log_url, coord=run.coord_url, run=run.run_id,
+                            snapshots=run.snapshots_url) == 0
+    store = SnapshotStore(run.snapshots_url or "")
+    assert len(store.list(run.run_id)) == 4
+    trainer.train(1)
+    done = subprocess.run([*_cli(run, "snapshot"), "--keep-last", "2"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and "deleted 3" in done.stdout, done.stdout + done.stderr
+    assert len(store.list(run.run_id)) == 2
+    report = verify_run(run)
+    assert report.ok and sum(DELETED_BY_RETENTION in f.detail for f in report.findings) == 3
+    trainer.rec.close()
+
+
+def test_verify_of_a_truncated_log_starts_at_its_oldest_snapshot(run: RunAddress) -> None:
+    trainer = Trainer(run)
+    with _snapshotter(run, retention=keep_last(2), history="since-oldest-snapshot") as snap:
+        for _ in range(4):
+            trainer.train(3)
+            snap.snapshot(force=True)
+    trainer.train(1)
+    report = verify_run(run, deep=True)
+    assert report.ok and report.covered == (9, 13), report.findings
+    assert "folded from snapshot v0000000009" in report.findings[-1].detail
+    trainer.rec.close()
