@@ -104,8 +104,8 @@ def run_step(
 
     It calls torch's functional optimizers (``torch.optim.adam.adam``, ...) exactly as the
     optimizer classes' ``step`` does for params whose state exists. Not an optimizer
-    instance: building one imports ``torch._dynamo`` (1.2 s), which a fresh replay process
-    would pay for nothing.
+    instance: building one imports ``torch._dynamo``, a slow import that a fresh replay
+    process would pay for nothing.
     """
     step = _STEPS.get(optimizer)
     if step is None:

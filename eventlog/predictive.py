@@ -11,14 +11,15 @@ cover falls back to XOR deltas, and the seal says why.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Executor, Future
+import functools
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from eventlog import knobs, optimstep, tensorcodec
+from eventlog import optimstep, tensorcodec
 from eventlog.events import OptimizerStep, TensorDelta, TensorSpec
 from eventlog.optimstep import CapturedStep, tensor_view
 
@@ -69,12 +70,57 @@ def state_prefix(index: int) -> str:
 
 @dataclass
 class Prediction:
-    """A version's predictive part: the events before its residuals, per shard."""
+    """A version's predictive part: per shard, each step's gradients then its ``OptimizerStep``,
+    all before the shard's residuals. The gradient chunks are encoded as ``events`` yields
+    them, so that a version's gradients are never all held encoded at once."""
 
-    bodies: list[tuple[int, TensorDelta | OptimizerStep]]
+    grads: list[dict[int, np.ndarray]]  # per step: optimizer param index -> its bits (copied)
+    step_bodies: dict[int, list[OptimizerStep]]  # per shard: one per step
+    plan: StepPlan
+    spec_of: Mapping[str, TensorSpec]
     predicted: set[str]  # tensors whose previous bits now hold the prediction
     steps: int
-    grad_bytes: int
+    #: Bytes of gradient payloads ``events`` yielded so far.
+    grad_bytes: int = 0
+
+    def event_count(self, chunk_bytes: int) -> int:
+        """How many events ``events`` yields."""
+        chunks = sum(len(tensorcodec.chunk_ranges(len(bits), chunk_bytes))
+                     for grads in self.grads for bits in grads.values())
+        return chunks + sum(len(b) for b in self.step_bodies.values())
+
+    def events(self, pool: Executor, chunk_bytes: int, compression: str,
+               window: int) -> Iterator[tuple[int, TensorDelta | OptimizerStep]]:
+        """``(shard, body)`` of every gradient chunk and step, in log order; gradient chunks
+        are encoded on ``pool``, at most ``window`` of them ahead of the caller
+        (``compression``: ``Settings.grad_compression``)."""
+        # In log order: (shard, the step's body) or (shard, the spec of a gradient chunk).
+        order: list[tuple[int, OptimizerStep | TensorSpec]] = []
+        calls: list[Callable[[], tensorcodec.EncodedChunk | None]] = []
+        for shard in sorted(self.step_bodies):
+            for k, grads in enumerate(self.grads):
+                for i, bits in grads.items():
+                    spec = self.spec_of[self.plan.params[i]]
+                    if spec.shard != shard:
+                        continue
+                    ranges = tensorcodec.chunk_ranges(len(bits), chunk_bytes)
+                    for j, (off, n) in enumerate(ranges):
+                        order.append((shard, spec))
+                        calls.append(functools.partial(
+                            tensorcodec.encode_chunk, bits[off:off + n], None,
+                            typesize=tensorcodec.itemsize(spec.dtype), base_version=-1, index=j,
+                            count=len(ranges), offset=off, compression=compression))
+                order.append((shard, self.step_bodies[shard][k]))
+        encoded = tensorcodec.map_ordered(pool, calls, window)
+        for shard, item in order:
+            if isinstance(item, OptimizerStep):
+                yield shard, item
+                continue
+            chunk = next(encoded)
+            assert chunk is not None  # a chunk without a base is always written
+            self.grad_bytes += len(chunk.payload)
+            chunk = dataclasses.replace(chunk, encoding=TensorDelta.GRAD)
+            yield shard, chunk.to_delta(item.name, item.dtype, tuple(item.shape))
 
 
 def check(
@@ -84,15 +130,17 @@ def check(
     prev: Mapping[str, np.ndarray],
     relayout: bool,
     version: int,
+    max_steps: int,
 ) -> str | None:
-    """Why this version cannot be encoded predictively, or ``None`` if it can."""
+    """Why this version cannot be encoded predictively, or ``None`` if it can (``max_steps``:
+    ``Settings.predict_max_steps``)."""
     if isinstance(plan, str):
         return plan
     if not steps:
         return "no optimizer step since the last commit"
-    if len(steps) > knobs.PREDICT_MAX_STEPS:
+    if len(steps) > max_steps:
         # Each step's gradients cost ~0.28 of an Adam state; past two, a delta is smaller.
-        return f"{len(steps)} optimizer steps since the last commit, over {knobs.PREDICT_MAX_STEPS}"
+        return f"{len(steps)} optimizer steps since the last commit, over {max_steps}"
     if version == 0 or relayout:
         return "the layout changed (first commit, or new optimizer state)"
     owned = optimstep.states_by_owner(spec_of)
@@ -123,15 +171,14 @@ def predict(
     spec_of: Mapping[str, TensorSpec],
     prev: Mapping[str, np.ndarray],
     pool: Executor,
-    chunk_bytes: int,
     buffers: dict[tuple[int, int], np.ndarray] | None = None,
 ) -> Prediction:
-    """Encode the steps' gradients and run the steps on ``prev`` in place (the prediction).
+    """Copy the steps' gradients and run the steps on ``prev`` in place (the prediction).
 
     Gradients are copied once, off the training thread, into ``buffers`` (reused across
-    versions; free again when this returns: the events hold compressed copies); the logged
-    bits and the bits the prediction uses are the same copy, so recorder and replayer
-    compute the same thing.
+    versions; they must stay untouched until the prediction's ``events`` are written); the
+    logged bits and the bits the prediction uses are the same copy, so recorder and
+    replayer compute the same thing.
     """
     buffers = {} if buffers is None else buffers
     grads: list[dict[int, np.ndarray]] = []
@@ -147,37 +194,10 @@ def predict(
             frozen[i] = buf
         grads.append(frozen)
     shards = sorted({spec_of[plan.params[i]].shard for step in steps for i in step.grads})
-    grad_jobs: list[tuple[int, int, str, list[Future[tensorcodec.EncodedChunk | None]]]] = []
-    for k, frozen in enumerate(grads):
-        for i, bits in frozen.items():
-            spec = spec_of[plan.params[i]]
-            size = tensorcodec.itemsize(spec.dtype)
-            ranges = tensorcodec.chunk_ranges(len(bits), chunk_bytes)
-            grad_jobs.append((k, spec.shard, spec.name, [
-                pool.submit(tensorcodec.encode_chunk, bits[off:off + n], None, typesize=size,
-                            base_version=-1, index=j, count=len(ranges), offset=off,
-                            compression=knobs.GRAD_COMPRESSION)
-                for j, (off, n) in enumerate(ranges)]))
     runs = {s: pool.submit(_predict_shard, plan, steps, grads, spec_of, prev, s) for s in shards}
     step_bodies = {s: fut.result() for s, fut in runs.items()}
-
-    bodies: list[tuple[int, TensorDelta | OptimizerStep]] = []
-    grad_bytes = 0
-    for shard in shards:
-        for k in range(len(steps)):
-            for kk, s, name, futs in grad_jobs:
-                if kk != k or s != shard:
-                    continue
-                spec = spec_of[name]
-                for fut in futs:
-                    chunk = fut.result()
-                    assert chunk is not None  # a chunk without a base is always written
-                    grad_bytes += len(chunk.payload)
-                    chunk = dataclasses.replace(chunk, encoding=TensorDelta.GRAD)
-                    bodies.append((shard, chunk.to_delta(name, spec.dtype, tuple(spec.shape))))
-            bodies.append((shard, step_bodies[shard][k]))
     predicted = {n for bs in step_bodies.values() for b in bs for n in b.predicted}
-    return Prediction(bodies, predicted, len(steps), grad_bytes)
+    return Prediction(grads, step_bodies, plan, spec_of, predicted, len(steps))
 
 
 def _predict_shard(

@@ -1,30 +1,36 @@
 """The exact tensor delta codec: XOR against the last committed bits, shuffle, compress, chunk.
 
-A tensor's raw bits are cut into chunks of ``knobs.CHUNK_BYTES``. Each chunk is encoded
+A tensor's raw bits are cut into chunks of ``Settings.chunk_bytes``. Each chunk is encoded
 on its own, so chunks encode and decode in parallel and each fits one log message:
 
 * ``XOR``: new bits XOR the bits of ``base_version``; unchanged chunks are not written at all.
 * ``FULL``: the bits themselves; used on a tensor's first commit, and whenever the XOR
   delta compresses worse than the bits do.
 
-Compression is blosc2 (byte shuffle + zstd level 1, measured best, see README), or ``none``
-when compressing does not pay. Every chunk carries the xxh3-128 of the bits it produces,
-checked on decode: a damaged payload is never applied.
+Compression is blosc2 (byte shuffle + zstd level 1, chosen by measurement: see
+docs/performance.md), or ``none`` when compressing does not pay. Every chunk carries the
+xxh3-128 of the bits it produces, checked on decode: a damaged payload is never applied.
 """
 
 from __future__ import annotations
 
 import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from typing import TypeVar
 
 import blosc2
 import numpy as np
 import torch
 import xxhash
 
-from eventlog import knobs
 from eventlog.errors import ConfigError, CorruptMessageError, DecodeError
 from eventlog.events import TensorDelta
+from eventlog.settings import current
+
+T = TypeVar("T")
 
 #: torch dtypes Rewind records, by the name used in events.
 DTYPES: dict[str, torch.dtype] = {
@@ -37,9 +43,9 @@ DTYPES: dict[str, torch.dtype] = {
 }
 COMPRESSIONS = ("none", "blosc2-zstd", "blosc2-lz4")
 #: blosc2's codec behind each compression name. zstd packs state deltas best. Gradients
-#: (mostly noisy mantissas) are logged raw by default (``knobs.GRAD_COMPRESSION``): every
-#: replayed version reads a whole gradient, and compression saves them only 5-15% (README,
-#: "Tensor codec and the compressor measurement").
+#: (mostly noisy mantissas) are logged raw by default (``Settings.grad_compression``): every
+#: replayed version reads a whole gradient, and compression saves little of it
+#: (docs/performance.md, "Choices measured").
 _CODECS = {"blosc2-zstd": blosc2.Codec.ZSTD, "blosc2-lz4": blosc2.Codec.LZ4}
 # python-blosc2 keeps the GIL while it (de)compresses unless told otherwise; chunks are
 # encoded and decoded in thread pools, so without this they would run one at a time.
@@ -70,16 +76,16 @@ def itemsize(name: str) -> int:
 
 
 def nbytes_of(dtype: str, shape: tuple[int, ...], where: str = "event") -> int:
-    """Byte size of a tensor, validated against negative dims and ``knobs.MAX_TENSOR_BYTES``."""
-    n = itemsize(dtype)
+    """Byte size of a tensor, validated against negative dims and ``Settings.max_tensor_bytes``."""
+    n, most = itemsize(dtype), current().max_tensor_bytes
     for d in shape:
         if d < 0:
             raise DecodeError(f"{where}: negative dimension in shape {shape}")
         n *= d
-        if n > knobs.MAX_TENSOR_BYTES:
+        if n > most:
             raise DecodeError(
                 f"{where}: shape {shape} of {dtype} needs more than the "
-                f"{knobs.MAX_TENSOR_BYTES} bytes allowed (REWIND_MAX_TENSOR_BYTES)"
+                f"{most} bytes allowed (REWIND_MAX_TENSOR_BYTES)"
             )
     return n
 
@@ -106,7 +112,7 @@ def bits_to_tensor(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torc
 
 def digest(bits: np.ndarray | bytes | memoryview) -> bytes:
     """xxh3-128 of raw bits."""
-    return xxhash.xxh3_128_digest(bits)
+    return xxhash.xxh3_128_digest(bits)  # type: ignore[arg-type]  # numpy arrays are buffers
 
 
 def chunk_ranges(nbytes: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -144,7 +150,7 @@ def _compress(data: np.ndarray, typesize: int, compression: str = "blosc2-zstd")
         raise ConfigError(f"unknown compression {compression!r}: use one of {', '.join(COMPRESSIONS)}")
     return bytes(
         blosc2.compress2(
-            data, typesize=typesize, clevel=knobs.ZSTD_LEVEL if codec == blosc2.Codec.ZSTD else 1,
+            data, typesize=typesize, clevel=current().zstd_level if codec == blosc2.Codec.ZSTD else 1,
             codec=codec, filters=[blosc2.Filter.SHUFFLE], nthreads=1,
         )
     )
@@ -166,7 +172,7 @@ def encode_chunk(
     ``compression`` is ``none`` (raw) or a blosc2 codec (a chunk that does not shrink is
     stored raw)."""
     if prev is not None:
-        delta = np.bitwise_xor(new, prev)
+        delta = np.bitwise_xor(new, prev, out=_xor_scratch(len(new)))
         if not delta.any():  # unchanged: nothing to write (one pass fewer than comparing first)
             return None
         payload, encoding = _compress(delta, typesize, compression), TensorDelta.XOR
@@ -201,7 +207,7 @@ def encode_tensor(
     chunk_bytes: int | None = None,
 ) -> list[EncodedChunk]:
     """Encode every changed chunk of a tensor (sequentially; callers parallelise over chunks)."""
-    ranges = chunk_ranges(len(new), chunk_bytes or knobs.CHUNK_BYTES)
+    ranges = chunk_ranges(len(new), chunk_bytes or current().chunk_bytes)
     out = []
     for i, (off, n) in enumerate(ranges):
         chunk = encode_chunk(
@@ -211,6 +217,24 @@ def encode_tensor(
         if chunk is not None:
             out.append(chunk)
     return out
+
+
+def map_ordered(pool: Executor, calls: Iterable[Callable[[], T]], window: int) -> Iterator[T]:
+    """The results of ``calls``, run on ``pool``, in order; at most ``window`` of them running
+    or done but not yet taken. Encoded chunks are written as they come: a version's payloads
+    are never all held at once, and their buffers are reused by the allocator instead of
+    piling up."""
+    pending: deque[Future[T]] = deque()
+    try:
+        for call in calls:
+            if len(pending) >= max(1, window):
+                yield pending.popleft().result()
+            pending.append(pool.submit(call))
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for fut in pending:  # the caller stopped early (an error): drop what was not started
+            fut.cancel()
 
 
 #: Encodings whose payload is the bits themselves, and those XORed onto the target (a
@@ -300,7 +324,8 @@ def raw_bits(delta: TensorDelta, where: str, *, verify: bool = True) -> np.ndarr
 def _raw(delta: TensorDelta, where: str) -> np.ndarray:
     """An uncompressed chunk's payload as read-only bytes, its length checked."""
     if len(delta.payload) != delta.byte_length:
-        raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, want {delta.byte_length}")
+        raise CorruptMessageError(f"{where}: raw payload is {len(delta.payload)} bytes, "
+                                  f"want {delta.byte_length}")
     return np.frombuffer(delta.payload, dtype=np.uint8)
 
 
@@ -336,6 +361,15 @@ def _scratch(n: int) -> np.ndarray:
     buf: np.ndarray | None = getattr(_local, "buf", None)
     if buf is None or len(buf) < n:
         buf = _local.buf = np.empty(n, dtype=np.uint8)
+    return buf[:n]
+
+
+def _xor_scratch(n: int) -> np.ndarray:
+    """This thread's reusable XOR buffer for encoding, ``n`` bytes long: one per encoding
+    thread instead of a fresh chunk-sized array per chunk for the allocator to keep."""
+    buf: np.ndarray | None = getattr(_local, "xor", None)
+    if buf is None or len(buf) < n:
+        buf = _local.xor = np.empty(n, dtype=np.uint8)
     return buf[:n]
 
 

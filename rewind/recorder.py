@@ -12,7 +12,9 @@ of the replayed step; otherwise tensors are XOR deltas of the previous version's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import queue
 import threading
 import time
@@ -20,12 +22,12 @@ import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 
-from eventlog import crypto, knobs, serde, statecodec, tensorcodec
+from eventlog import crypto, serde, statecodec, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.backends import RunAddress
 from eventlog.capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
@@ -50,19 +52,23 @@ from eventlog.events import (
     TensorDelta,
     TensorSpec,
 )
-from eventlog.fold.engine import RebuiltState, Target, index_control, rebuild
+from eventlog.fold.engine import index_control
 from eventlog.layout import assign_shards, config_digest
 from eventlog.optimstep import CapturedStep, StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog
+from eventlog.settings import Settings, current
+from replayer.replay import Restorer
+from replayer.replay import restorer as restorer_of
+from rewind.snapshots import Snapshots, with_store
+from schemas import SCHEMA_VERSION
+from snapshotter.policies import Trigger
+from snapshotter.service import SnapshotterThread
 
 REWIND_VERSION = "0.1.0"
+T = TypeVar("T")
 _KINDS: dict[str, type[Any]] = {
     "scheduler": SchedulerStep, "sampler": SamplerCursor, "rng": RngAdvance,
 }
-
-#: How a restore obtains the recorded state (the replayer passes its parallel,
-#: snapshot-aware one; the default folds the whole log).
-Restorer = Callable[[EventLog], RebuiltState]
 
 
 @dataclass(frozen=True)
@@ -87,18 +93,36 @@ class CommitResult:
 class RestoreResult:
     """What ``restore()`` found: the step to resume after, or a fresh run."""
 
+    #: The step of the restored version (``None``: a fresh run, nothing restored).
     step: int | None
     version: int
+    #: Events applied from the log, and events skipped (already in the snapshot, duplicates,
+    #: or of versions never sealed).
     applied: int = 0
     skipped: int = 0
     seconds: float = 0.0
+    #: Where the fold started, in words.
     source: str = ""
-    detail: RebuiltState | None = field(default=None, repr=False)
+    #: The id of the snapshot the restore started from (``None``: the start of the log).
+    snapshot: str | None = None
+    snapshot_version: int = 0
+    #: Versions replayed from the log after the snapshot (or from the start of the log).
+    tail: int = 0
+    #: Newer snapshots that were passed over, and why: ``((snapshot id, reason), ...)``.
+    passed_over: tuple[tuple[str, str], ...] = ()
+    #: The restored version's state digest (hex), as its seal records it.
+    state_digest: str = ""
 
     @property
     def fresh(self) -> bool:
         """True when the log held no version and nothing was restored."""
         return self.step is None
+
+    def __str__(self) -> str:
+        if self.fresh:
+            return "fresh run: nothing to restore"
+        return (f"restored version {self.version} (step {self.step}) from {self.source} + "
+                f"{self.tail} versions of log tail in {self.seconds:.2f}s")
 
 
 @dataclass
@@ -120,6 +144,18 @@ class Recorder:
     ``objects`` are ``Stateful``: ``model`` and ``optimizer`` go to the tensor shards,
     ``scheduler``, ``sampler``, the global RNGs (``rng=True``) and every ``extra`` object
     are small states. Use as a context manager, or call ``close()``.
+
+    ``restore()`` loads the newest sealed version: from the newest valid snapshot plus the
+    versions after it in the log (through ``replayer.replay``). ``snapshots`` (a trigger such
+    as ``every_versions(100)``, or ``Snapshots(...)``) has this recorder take them: a
+    snapshotter runs for the run in a thread of this process from the first ``commit()``
+    until ``close()``, which first lets it take the snapshot that is due. ``restorer``
+    replaces how ``restore()`` rebuilds the state (an advanced hook; see
+    ``replayer.replay.restorer``).
+
+    ``settings`` (default ``eventlog.settings.current()``) gives the defaults of ``shards``,
+    ``max_inflight`` and ``chunk_bytes``, and the codec's tuning (``predict_max_steps``,
+    ``grad_compression``, ``codec_threads``).
     """
 
     def __init__(
@@ -132,20 +168,29 @@ class Recorder:
         rng: bool = True,
         extra: Mapping[str, Stateful] | None = None,
         *,
-        shards: int = knobs.SHARDS,
+        shards: int | None = None,
         writer_id: str | None = None,
-        max_inflight: int = knobs.MAX_INFLIGHT,
-        chunk_bytes: int = knobs.CHUNK_BYTES,
+        max_inflight: int | None = None,
+        chunk_bytes: int | None = None,
         restorer: Restorer | None = None,
         predictive: bool = True,
+        settings: Settings | None = None,
+        snapshots: Snapshots | Trigger | None = None,
     ) -> None:
-        self.address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
+        address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
+        self._snapshots = None if snapshots is None else Snapshots.of(snapshots)
+        self.address = address if self._snapshots is None else with_store(address, self._snapshots)
         self.run_id = self.address.run_id
         objects: dict[str, Stateful] = {}
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("sampler", sampler)):
-            if obj is not None:
-                objects[name] = obj
+            if obj is None:
+                continue
+            if not isinstance(obj, Stateful):
+                # Checked here: the first commit() would fail far from the mistake.
+                raise ConfigError(f"{name}={type(obj).__name__} has no state_dict/load_state_dict; "
+                                  "pass an object with both (wrap it if needed)")
+            objects[name] = obj
         if rng:
             objects["rng"] = GlobalRng()
         for name, obj in (extra or {}).items():
@@ -154,17 +199,23 @@ class Recorder:
             if not isinstance(obj, Stateful):
                 raise ConfigError(f"extra state {name!r} has no state_dict/load_state_dict")
             objects[name] = obj
+        settings = settings or current()
+        shards = settings.shards if shards is None else shards
+        max_inflight = settings.max_inflight if max_inflight is None else max_inflight
+        chunk_bytes = settings.chunk_bytes if chunk_bytes is None else chunk_bytes
+        self._settings = settings
         if shards < 1 or chunk_bytes < 16 or max_inflight < 1:
             raise ConfigError("shards and max_inflight must be >= 1 and chunk_bytes >= 16")
         self._objects = objects
         self._shards = shards
         self._chunk_bytes = chunk_bytes
-        self._restorer = restorer
+        self._restorer = restorer or restorer_of(self.address)
+        self._snapshotter: SnapshotterThread | None = None
         # The predictive codec watches the optimizer's steps through a pre-hook.
         self._plan: predictive_codec.StepPlan | str = (
             predictive_codec.StepPlan.of(model, optimizer) if predictive else "the predictive codec is off"
         )
-        self._steps = (StepCapture(optimizer, knobs.PREDICT_MAX_STEPS)  # type: ignore[arg-type]
+        self._steps = (StepCapture(optimizer, settings.predict_max_steps)  # type: ignore[arg-type]
                        if isinstance(self._plan, predictive_codec.StepPlan) else None)
         self.writer_id = writer_id or f"{self.run_id}.trainer"
         # Events name the writer and this process's session: a new session after the same
@@ -185,11 +236,15 @@ class Recorder:
         self._specs: tuple[TensorSpec, ...] = ()
         self._small: dict[str, bytes] = {}
         self._grad_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused across versions
-        self._spare: queue.Queue[dict[str, np.ndarray]] = queue.Queue()
-        for _ in range(max_inflight + 1):
-            self._spare.put({})
+        # Staging buffer sets freed by a commit (the base it replaced), newest last: reused
+        # newest first, so a trainer that waits for each commit only ever has two sets (this
+        # base and one staging); a new set is made only when every freed one is in flight.
+        self._spare: list[dict[str, np.ndarray]] = []
+        self._spare_lock = threading.Lock()
+        self._staging_slots = threading.Semaphore(max_inflight + 1)
+        self._window = 2 * settings.resolved_codec_threads()  # encoded chunks held ahead of the writer
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_inflight)
-        self._pool = ThreadPoolExecutor(knobs.codec_threads(), thread_name_prefix="rewind-codec")
+        self._pool = ThreadPoolExecutor(settings.resolved_codec_threads(), thread_name_prefix="rewind-codec")
         self._failure: BaseException | None = None
         self._closed = False
         self._committer = threading.Thread(target=self._run, name="rewind-committer", daemon=True)
@@ -216,27 +271,36 @@ class Recorder:
         optimistic: it fails with ``StaleVersionError`` unless the run is at that version.
         """
         self._check_usable()
+        if self._snapshots is not None and self._snapshotter is None:
+            # Started here, not in __init__: a restore does not share the machine with it.
+            self._snapshotter = self._snapshots.start(self.address, f"{self.writer_id}.snapshotter")
         tensors, small = self._capture()
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
-        staged = self._spare.get()  # blocks while every buffer set is in flight
-        for name, t in tensors.items():
-            bits = tensorcodec.tensor_bits(t)
-            buf = staged.get(name)
-            if buf is None or buf.shape != bits.shape:
-                # torch's allocator backs large buffers with huge pages: first-touch page
-                # faults of a fresh numpy buffer cost more than the copy itself.
-                buf = staged[name] = torch.empty(len(bits), dtype=torch.uint8).numpy()
-            # torch's copy runs on its intra-op threads (numpy's copy on one core).
-            torch.from_numpy(buf).copy_(torch.from_numpy(bits))
-        # The copy is done: the log's deferred maintenance (e.g. a WAL checkpoint) may now
-        # use the memory bus without slowing it.
-        self._writer.maintenance_window()
-        for name in list(staged):
-            if name not in tensors:
-                del staged[name]
-        job = _Job(step, {k: float(v) for k, v in (metrics or {}).items()}, base_version,
-                   staged, layout, small, Future(), steps=self._steps.take() if self._steps else [])
-        self._jobs.put(job)
+        self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
+        try:
+            with self._spare_lock:
+                staged = self._spare.pop() if self._spare else {}
+            for name, t in tensors.items():
+                bits = tensorcodec.tensor_bits(t)
+                buf = staged.get(name)
+                if buf is None or buf.shape != bits.shape:
+                    # torch's allocator backs large buffers with huge pages: first-touch page
+                    # faults of a fresh numpy buffer cost more than the copy itself.
+                    buf = staged[name] = torch.empty(len(bits), dtype=torch.uint8).numpy()
+                # torch's copy runs on its intra-op threads (numpy's copy on one core).
+                torch.from_numpy(buf).copy_(torch.from_numpy(bits))
+            # The copy is done: the log's deferred maintenance (e.g. a WAL checkpoint) may now
+            # use the memory bus without slowing it.
+            self._writer.maintenance_window()
+            for name in list(staged):
+                if name not in tensors:
+                    del staged[name]
+            job = _Job(step, {k: float(v) for k, v in (metrics or {}).items()}, base_version,
+                       staged, layout, small, Future(), steps=self._steps.take() if self._steps else [])
+            self._jobs.put(job)
+        except BaseException:
+            self._staging_slots.release()  # no job will give it back
+            raise
         if wait:
             job.future.result()
         return job.future
@@ -250,14 +314,17 @@ class Recorder:
         self._check_usable()
 
     def restore(self) -> RestoreResult:
-        """Load the newest sealed version into the objects; returns the step to resume after."""
+        """Load the newest sealed version into the objects; returns the step to resume after.
+
+        The state is rebuilt from the newest snapshot that verifies plus the log after it, and
+        checked against the version's seal before anything is loaded."""
         self._check_usable()
         self.flush()
         t0 = time.perf_counter()
         try:
             if self._log.shard_count() is None:
                 raise RunNotFoundError(self.run_id)
-            state = (self._restorer or (lambda log: rebuild(log, Target())))(self._log)
+            state, report = self._restorer(self._log)
         except RunNotFoundError:
             # No sealed version (a crash inside the very first commit leaves none): fresh run,
             # and the coordinator forgets any version the crashed commit had claimed.
@@ -282,7 +349,9 @@ class Recorder:
         return RestoreResult(
             step=state.step, version=state.version, applied=c.applied,
             skipped=c.skipped_by_snapshot + c.skipped_duplicate + c.skipped_unsealed,
-            seconds=time.perf_counter() - t0, source=state.source, detail=state,
+            seconds=time.perf_counter() - t0, source=state.source, snapshot=report.snapshot_id,
+            snapshot_version=report.snapshot_version, tail=report.tail_versions,
+            passed_over=tuple(report.passed_over), state_digest=report.state_digest,
         )
 
     def close(self) -> None:
@@ -292,6 +361,8 @@ class Recorder:
         self._closed = True
         self._jobs.put(None)
         self._committer.join()
+        if self._snapshotter is not None:
+            self._snapshotter.stop(final=self._failure is None)
         if self._steps is not None:
             self._steps.close()
         self._pool.shutdown()
@@ -334,14 +405,19 @@ class Recorder:
             if job.flush_only:
                 job.future.set_result(None)  # type: ignore[arg-type]
                 continue
-            if self._failure is not None:
-                job.future.set_exception(self._failure)
-                continue
             try:
-                job.future.set_result(self._write(job))
+                if self._failure is not None:
+                    job.future.set_exception(self._failure)
+                else:
+                    job.future.set_result(self._write(job))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 self._failure = exc
                 job.future.set_exception(exc)
+            finally:
+                self._staging_slots.release()
+                # Not held while waiting for the next job: its gradients would stay pinned
+                # through the trainer's next backward pass.
+                job = None
 
     def _write(self, job: _Job) -> CommitResult:
         t0 = time.perf_counter()
@@ -352,66 +428,49 @@ class Recorder:
         specs = self._specs
         relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != job.layout
         if relayout:
-            owners = self._plan.owners(list(job.layout)) if isinstance(self._plan, predictive_codec.StepPlan) else {}
+            owners = (self._plan.owners(list(job.layout))
+                      if isinstance(self._plan, predictive_codec.StepPlan) else {})
             specs = assign_shards(job.layout, self._shards, specs, owners)
         spec_of = {s.name: s for s in specs}
         t_encode = time.perf_counter()
         prediction, why_not = self._predict(job, spec_of, relayout)
-        encoded, chunk_digests = self._encode(job, spec_of, prediction.predicted if prediction else set())
+        job.steps = []  # the gradients are copied: the trainer's may be freed
         encode_seconds = time.perf_counter() - t_encode
 
-        tensor_digests: list[dict[str, bytes]] = [{} for _ in range(self._shards)]
-        for s in specs:
-            tensor_digests[s.shard][s.name] = tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name])
-        shard_digests = tuple(shard_digest(d) for d in tensor_digests)
-        small_dig = small_digest(job.small)
-
-        bodies: list[tuple[int, Body]] = list(prediction.bodies) if prediction else []
-        for name, chunks in encoded.items():
-            s = spec_of[name]
-            bodies.extend((s.shard, c.to_delta(name, s.dtype, s.shape)) for c in chunks)
-        shard_counts = [0] * self._shards
-        for shard, _ in bodies:
-            shard_counts[shard] += 1
-        bodies.sort(key=lambda b: b[0])  # stable: a shard's gradients and steps stay first
         control: list[Body] = []
         if relayout:
             control.append(RunStarted(
                 self._shards, specs, tuple(sorted(job.small)), config_digest(specs, list(job.small)),
                 torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
-                REWIND_VERSION, serde.schemas.SCHEMA_VERSION, self._chunk_bytes))
+                REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes))
         for name, state in sorted(job.small.items()):
             if self._small.get(name) != state:
                 control.append(_KINDS.get(name, CustomState)(name, state))
         if job.metrics:
             control.append(Metrics(job.metrics))
         raw = sum(len(b) for b in job.staged.values())
-        residual = sum(len(c.payload) for cs in encoded.values() for c in cs)
-        enc = residual + (prediction.grad_bytes if prediction else 0)
-        if prediction:
-            codec = (f"predictive/{self._plan.optimizer} x{prediction.steps} "  # type: ignore[union-attr]
-                     f"+ gradients/{knobs.GRAD_COMPRESSION} + residual/blosc2-zstd")
-        else:
-            codec = f"xor-delta/blosc2-zstd (not predictive: {why_not})"
-        control.append(CommitSealed(
-            base, tuple(shard_counts), len(control), shard_digests, small_dig,
-            state_digest(shard_digests, small_dig), codec, raw, enc))
+        # Events are written as they are encoded, so their gsns are claimed before it is known
+        # which chunks changed: the most the version can have; the rest are never used.
+        most = (len(control) + 1 + sum(len(tensorcodec.chunk_ranges(len(b), self._chunk_bytes))
+                                       for b in job.staged.values())
+                + (prediction.event_count(self._chunk_bytes) if prediction else 0))
 
         self._log.create(self._shards)
         self._claim_version(base, version)
         try:
-            count = len(bodies) + len(control)
-            first = self._coord.allocate_gsns(self.run_id, count)
+            first = self._coord.allocate_gsns(self.run_id, most)
             if first <= self._last_gsn:
                 # The coordinator lost its counter (e.g. Redis flushed): rebuild it from ours.
                 self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
-                first = self._coord.allocate_gsns(self.run_id, count)
+                first = self._coord.allocate_gsns(self.run_id, most)
             now = int(time.time() * 1000)
             keys = crypto.keyring()
+            shard_counts = [0] * self._shards
+            gsn = first
             with self._writer.transaction() as txn:
-                gsn = first
-                for i, (shard, body) in enumerate(bodies + [(CONTROL, b) for b in control]):
-                    knobs.fault_point("commit", version, i)
+
+                def emit(shard: int, body: Body) -> None:
+                    nonlocal gsn
                     env = Envelope(self.run_id, gsn, version, job.step,
                                    CONTROL_SHARD if shard == CONTROL else shard,
                                    f"{self.writer_id}#{self.session}", now, body)
@@ -419,35 +478,65 @@ class Recorder:
                         env = crypto.encrypt_event(env, keys)
                     data, bulk_at = self._serialize.with_bulk(env)
                     txn.append(shard, data, bulk_at=bulk_at)
+                    if shard != CONTROL:
+                        shard_counts[shard] += 1
                     gsn += 1
+
+                if prediction:
+                    # Each shard's gradients and steps come before its residuals.
+                    for shard, body in prediction.events(self._pool, self._chunk_bytes,
+                                                         self._settings.grad_compression, self._window):
+                        emit(shard, body)
+                chunk_digests, residual, seconds = self._encode(
+                    job, spec_of, prediction.predicted if prediction else set(), emit)
+                encode_seconds += seconds
+
+                tensor_digests: list[dict[str, bytes]] = [{} for _ in range(self._shards)]
+                for s in specs:
+                    tensor_digests[s.shard][s.name] = tensor_digest(s.name, s.dtype, s.shape,
+                                                                    chunk_digests[s.name])
+                shard_digests = tuple(shard_digest(d) for d in tensor_digests)
+                small_dig = small_digest(job.small)
+                enc = residual + (prediction.grad_bytes if prediction else 0)
+                if prediction:
+                    codec = (f"predictive/{self._plan.optimizer} x{prediction.steps} "  # type: ignore[union-attr]
+                             f"+ gradients/{self._settings.grad_compression} + residual/blosc2-zstd")
+                else:
+                    codec = f"xor-delta/blosc2-zstd (not predictive: {why_not})"
+                control.append(CommitSealed(
+                    base, tuple(shard_counts), len(control), shard_digests, small_dig,
+                    state_digest(shard_digests, small_dig), codec, raw, enc))
+                for event in control:
+                    emit(CONTROL, event)
         except BaseException:
-            try:  # give the version back, so a retry after restore() is not stale
+            # Give the version back, so a retry after restore() is not stale.
+            with contextlib.suppress(RewindError):
                 self._coord.compare_and_set_version(self.run_id, version, base)
-            except RewindError:
-                pass
             raise
         # The committed bits become the next XOR base; the old base's buffers are reused.
         old = self._prev
         self._prev = job.staged
         self._prev_chunks = chunk_digests
-        self._spare.put(old)
+        if old:
+            with self._spare_lock:
+                self._spare.append(old)
         self._specs, self._small = specs, dict(job.small)
-        self._version, self._last_gsn = version, first + count - 1
-        return CommitResult(version, job.step, count, raw, enc, time.perf_counter() - t0, codec, residual,
-                            encode_seconds)
+        self._version, self._last_gsn = version, gsn - 1
+        return CommitResult(version, job.step, gsn - first, raw, enc, time.perf_counter() - t0, codec,
+                            residual, encode_seconds)
 
     def _predict(
         self, job: _Job, spec_of: Mapping[str, TensorSpec], relayout: bool
     ) -> tuple[predictive_codec.Prediction | None, str | None]:
         """The version's predictive part, or ``None`` and why this version is XOR deltas."""
         why_not = predictive_codec.check(self._plan, job.steps, spec_of, self._prev, relayout,
-                                         self._version)
+                                         self._version, self._settings.predict_max_steps)
         if why_not is not None:
             return None, why_not
         assert isinstance(self._plan, predictive_codec.StepPlan)
         try:
             return predictive_codec.predict(self._plan, job.steps, spec_of, self._prev, self._pool,
-                                            self._chunk_bytes, self._grad_buffers), None
+                                            self._grad_buffers), None
         except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
             # It may have run part way on the previous bits: no delta against them, FULL.
             self._prev, self._prev_chunks = {}, {}
@@ -467,13 +556,18 @@ class Recorder:
             self._coord.compare_and_set_version(self.run_id, base, version)
 
     def _encode(
-        self, job: _Job, spec_of: Mapping[str, TensorSpec], predicted: set[str]
-    ) -> tuple[dict[str, list[tensorcodec.EncodedChunk]], dict[str, list[bytes]]]:
-        """Encode every chunk of every tensor in parallel; returns chunks and chunk digests.
+        self, job: _Job, spec_of: Mapping[str, TensorSpec], predicted: set[str],
+        emit: Callable[[int, Body], None],
+    ) -> tuple[dict[str, list[bytes]], int, float]:
+        """Encode every chunk of every tensor in parallel and ``emit`` each changed one as it
+        comes; returns the chunk digests, the payload bytes, and the encoding's seconds on
+        the pool (its work over the pool's threads: what it adds to a commit not overlapped
+        with writing).
 
         Tensors in ``predicted`` are encoded against the prediction (now in ``self._prev``):
         their chunks are residuals, and an unchanged chunk is one the prediction got right."""
-        tasks = []
+        keys: list[tuple[str, int]] = []
+        calls: list[Callable[[], tuple[tensorcodec.EncodedChunk | None, float]]] = []
         old_specs = {s.name: (s.dtype, tuple(s.shape)) for s in self._specs}
         for name, new in job.staged.items():
             spec = spec_of[name]
@@ -482,26 +576,36 @@ class Recorder:
             size = tensorcodec.itemsize(spec.dtype)
             ranges = tensorcodec.chunk_ranges(len(new), self._chunk_bytes)
             for i, (off, n) in enumerate(ranges):
-                tasks.append((name, i, self._pool.submit(
-                    tensorcodec.encode_chunk, new[off:off + n],
+                keys.append((name, i))
+                calls.append(functools.partial(
+                    _timed, tensorcodec.encode_chunk, new[off:off + n],
                     None if prev is None else prev[off:off + n], typesize=size,
-                    base_version=self._version, index=i, count=len(ranges), offset=off)))
-        encoded: dict[str, list[tensorcodec.EncodedChunk]] = {n: [] for n in job.staged}
+                    base_version=self._version, index=i, count=len(ranges), offset=off))
         digests: dict[str, list[bytes]] = {n: [] for n in job.staged}
-        for name, i, fut in tasks:
-            chunk = fut.result()
+        payload_bytes, busy = 0, 0.0
+        for (name, i), (chunk, seconds) in zip(keys, tensorcodec.map_ordered(self._pool, calls, self._window),
+                                              strict=True):
+            busy += seconds
             if chunk is None:
                 old = None if name in predicted else self._prev_chunks.get(name)
                 digests[name].append(
                     old[i] if old else tensorcodec.digest(self._chunk_of(job.staged[name], i))
                 )
-            else:
-                if name in predicted and chunk.encoding == TensorDelta.XOR:
-                    chunk = dataclasses.replace(chunk, encoding=TensorDelta.RESIDUAL)
-                encoded[name].append(chunk)
-                digests[name].append(chunk.digest)
-        return encoded, digests
+                continue
+            if name in predicted and chunk.encoding == TensorDelta.XOR:
+                chunk = dataclasses.replace(chunk, encoding=TensorDelta.RESIDUAL)
+            s = spec_of[name]
+            emit(s.shard, chunk.to_delta(name, s.dtype, s.shape))
+            payload_bytes += len(chunk.payload)
+            digests[name].append(chunk.digest)
+        return digests, payload_bytes, busy / self._settings.resolved_codec_threads()
 
     def _chunk_of(self, bits: np.ndarray, index: int) -> np.ndarray:
         off, n = tensorcodec.chunk_ranges(len(bits), self._chunk_bytes)[index]
         return bits[off:off + n]
+
+
+def _timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
+    """``fn(*args, **kwargs)`` and the seconds it took."""
+    t0 = time.perf_counter()
+    return fn(*args, **kwargs), time.perf_counter() - t0
