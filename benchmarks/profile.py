@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 import eventlog.embedded as embedded_mod
+import eventlog.embedded.writer as embedded_writer
 import eventlog.fold.apply as apply_mod
 import eventlog.fold.engine as fold_mod
 import eventlog.optimstep as optimstep_mod
@@ -169,9 +170,9 @@ def install_commit_timers() -> None:
     wrap(tc.np, "array_equal", "      array_equal", lambda a, b, *x, **k: a.nbytes)
     wrap(tc.np, "bitwise_xor", "      xor", lambda a, b, *x, **k: a.nbytes)
     wrap(serde_mod.EnvelopeSerializer, "__call__", "  avro serialize")
-    wrap(embedded_mod._Transaction, "append", "  sqlite INSERT (append)",
+    wrap(embedded_writer.EmbeddedTransaction, "append", "  sqlite INSERT (append)",
          lambda self, p, v: len(v))
-    wrap_cm(embedded_mod._Writer, "transaction", "  sqlite COMMIT (+fsync, checkpoint)")
+    wrap_cm(embedded_writer.EmbeddedWriter, "transaction", "  sqlite COMMIT (+fsync, checkpoint)")
     wrap(embedded_mod.EmbeddedCoordinator, "compare_and_set_version", "  CAS version (sqlite txn)")
     wrap(embedded_mod.EmbeddedCoordinator, "allocate_gsns", "  allocate gsns (sqlite txn)")
 

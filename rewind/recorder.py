@@ -8,6 +8,10 @@ and writes the version's events in one log transaction, sealed by ``CommitSealed
 Two codecs: when the version is one or two supported optimizer steps after the previous
 one, the *predictive* codec (``predictive``) logs the steps' gradients and only the residual
 of the replayed step; otherwise tensors are XOR deltas of the previous version's bits.
+
+The module is longer than most because the training-thread side and the committer thread
+share one set of state (staging buffers, the base version, the in-flight queue) whose
+hand-offs are easiest to check when they sit in one class.
 """
 
 from __future__ import annotations

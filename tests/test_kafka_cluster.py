@@ -33,7 +33,7 @@ PIDFILES = [p for p in os.environ.get("REWIND_KAFKA_CLUSTER_PIDFILES", "").split
 REDIS = os.environ.get("REWIND_TEST_REDIS", "")
 #: The cluster fences a dead broker after broker.session.timeout.ms (6 s, scripts/kafka);
 #: the new leader is elected then, and the clients find it within their metadata refresh
-#: (eventlog.kafka.METADATA_REFRESH_MS, 5 s) or at once on a failed request. This is twice
+#: (eventlog.kafka.config.METADATA_REFRESH_MS, 5 s) or at once on a failed request. This is twice
 #: that, with room for a loaded 2-core test machine.
 COMMIT_BOUND_S = 25.0
 #: Commits the trainer makes before it looks at the stop file.
@@ -225,7 +225,8 @@ def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.Monke
     """A request to a dead leader times out until fresh metadata names the new one."""
     from confluent_kafka import KafkaError, KafkaException
 
-    from eventlog import EventLogError, kafka
+    from eventlog import EventLogError
+    from eventlog.kafka import calls as kafka_calls
 
     calls: list[str] = []
 
@@ -238,14 +239,14 @@ def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.Monke
     def refresh(timeout: float) -> None:
         calls.append("refresh")
 
-    assert kafka._failover("reading offsets of t [0]", ask, refresh) == 7
+    assert kafka_calls.failover("reading offsets of t [0]", ask, refresh) == 7
     assert calls == ["ask 1", "refresh", "ask 2", "refresh", "ask 3"]
 
     calls.clear()
-    monkeypatch.setattr(kafka, "FAILOVER_S", 0.0)
+    monkeypatch.setattr(kafka_calls, "FAILOVER_S", 0.0)
     with pytest.raises(EventLogError, match=r"^reading offsets of t \[0\] \(no partition leader "
                        r"answered in 0 s of retries with fresh metadata\): _TIMED_OUT"):
-        kafka._failover("reading offsets of t [0]", ask, lambda timeout: None)
+        kafka_calls.failover("reading offsets of t [0]", ask, lambda timeout: None)
 
 
 @pytest.mark.kafka_cluster

@@ -567,7 +567,7 @@ def test_a_read_only_database_from_before_the_marker_still_opens(
 ) -> None:
     """A file that cannot be written (a read-only mount, an archived copy) is not marked,
     and is read as it is: its records come back, and its format stays 0."""
-    from eventlog import embedded
+    from eventlog.embedded.db import Database
 
     db = tmp_path / "ro.db"
     log = EmbeddedLog(f"sqlite://{db}", "r")
@@ -577,14 +577,14 @@ def test_a_read_only_database_from_before_the_marker_still_opens(
     with sqlite3.connect(db) as c:
         c.execute("PRAGMA user_version=0")
     c.close()
-    connect = embedded._Database.connect
+    connect = Database.connect
 
     def read_only(self: Any, shared: bool = False) -> sqlite3.Connection:
         conn = connect(self, shared)
         conn.execute("PRAGMA query_only=ON")  # every write fails as on a read-only file
         return conn
 
-    monkeypatch.setattr(embedded._Database, "connect", read_only)
+    monkeypatch.setattr(Database, "connect", read_only)
     log = EmbeddedLog(f"sqlite://{db}", "r")
     assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, batch=1)] == [_payload(0)]
     log.close()

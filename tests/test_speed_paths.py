@@ -100,11 +100,11 @@ class _FailingBlob:
 def test_a_store_error_while_decoding_a_payload_names_the_file(tmp_path: Path) -> None:
     """A large payload is read from SQLite inside fastavro's decode: SQLite's error there is
     the store's (it names the database file), not a corrupt message."""
-    from eventlog.embedded import _BlobStream
+    from eventlog.embedded.reader import BlobStream
 
     message = _chunk_message(bytes(1 << 20))
     log = EmbeddedLog(f"sqlite://{tmp_path / 'e.db'}", "r")
-    stream = _BlobStream.over(_FailingBlob(message, 4096), log._db)  # type: ignore[arg-type]
+    stream = BlobStream.over(_FailingBlob(message, 4096), log._db)  # type: ignore[arg-type]
     with pytest.raises(CorruptStoreError) as info:
         serde.decode.from_stream(stream, len(message), "msg-under-test")
     assert str(tmp_path / "e.db") in str(info.value) and "malformed" in str(info.value)

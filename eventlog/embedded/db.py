@@ -1,0 +1,203 @@
+"""The SQLite file of the embedded backend: its schema and format marker, a connection per
+thread (or a read-only one that creates nothing), transactions, and our errors for SQLite's."""
+
+from __future__ import annotations
+
+import functools
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import ParamSpec, TypeVar
+
+from eventlog.errors import CorruptStoreError, EventLogError, RewindError, RunNotFoundError
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (run TEXT PRIMARY KEY, shards INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS partitions (
+    run TEXT, partition INTEGER, next_offset INTEGER NOT NULL, start_offset INTEGER NOT NULL,
+    PRIMARY KEY (run, partition));
+CREATE TABLE IF NOT EXISTS records (
+    run TEXT, partition INTEGER, offset INTEGER, value BLOB NOT NULL,
+    PRIMARY KEY (run, partition, offset));
+CREATE TABLE IF NOT EXISTS extents (run TEXT, partition INTEGER, offset INTEGER,
+    file TEXT NOT NULL, pos INTEGER NOT NULL, length INTEGER NOT NULL, bulk INTEGER NOT NULL,
+    PRIMARY KEY (run, partition, offset));
+CREATE TABLE IF NOT EXISTS writers (run TEXT, writer TEXT, epoch INTEGER NOT NULL,
+    PRIMARY KEY (run, writer));
+CREATE TABLE IF NOT EXISTS versions (run TEXT PRIMARY KEY, version INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS gsns (run TEXT PRIMARY KEY, next_gsn INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS catalog (run TEXT, snapshot_id TEXT, entry TEXT NOT NULL,
+    PRIMARY KEY (run, snapshot_id));
+CREATE TABLE IF NOT EXISTS leases (name TEXT PRIMARY KEY, holder TEXT, token INTEGER NOT NULL,
+    expires REAL NOT NULL);
+CREATE TABLE IF NOT EXISTS followers (run TEXT, follower TEXT, version INTEGER NOT NULL,
+    time_ms INTEGER NOT NULL, PRIMARY KEY (run, follower));
+"""
+
+
+def path_from_url(url: str) -> Path:
+    """The database path of a ``sqlite://`` URL."""
+    if not url.startswith("sqlite://") or len(url) <= len("sqlite://"):
+        raise EventLogError(f"not an embedded (sqlite://<path>) URL: {url!r}")
+    return Path(url[len("sqlite://") :])
+
+
+#: The layout of an embedded database, kept in SQLite's ``user_version``: 1 = tensor chunks
+#: may live in segment files (``extents``). Files from before the marker read 0 and are
+#: marked on open (this version reads both layouts; a read-only file is read unmarked). A
+#: file marked newer is refused when it is opened: a newer layout may keep messages where
+#: this version would read empty values. (A process that has it open already is not told
+#: of a later upgrade.)
+FORMAT = 1
+
+
+class Database:
+    """One SQLite file with a connection per thread (sqlite3 connections are not shareable).
+
+    ``read_only``: the file must exist and hold a Rewind log; it is opened with SQLite's
+    ``mode=ro`` and nothing is created (no directory, file or table) or marked.
+    """
+
+    def __init__(self, path: Path, error: type[RewindError], *, read_only: bool = False) -> None:
+        self.path = path
+        self._error = error
+        self.read_only = read_only
+        self._local = threading.local()
+        if read_only and not path.is_file():
+            raise RunNotFoundError(f"no Rewind log at {path}: the file does not exist")
+        if not read_only:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        c = self.conn()
+        try:
+            self._check_format(c)
+            if read_only:
+                tables = c.execute("SELECT 1 FROM sqlite_master WHERE type='table' AND name='runs'")
+                if tables.fetchone() is None:
+                    raise RunNotFoundError(f"no Rewind log at {path}: the file holds no Rewind tables")
+            else:
+                c.executescript(SCHEMA)
+                self._mark_format(c)
+        except sqlite3.Error as exc:
+            self.close()
+            raise self.wrap(exc) from exc
+        except BaseException:
+            self.close()
+            raise
+
+    def _check_format(self, c: sqlite3.Connection) -> int:
+        """The file's format, refused if newer than ``FORMAT``."""
+        found = int(c.execute("PRAGMA user_version").fetchone()[0])
+        if found > FORMAT:
+            raise self._error(f"{self.path} holds an embedded log of format {found}, written by a newer "
+                              f"Rewind; this version reads formats up to {FORMAT}: upgrade it")
+        return found
+
+    def _mark_format(self, c: sqlite3.Connection) -> None:
+        """Mark an unmarked file, checking again inside the write lock, so that a newer
+        version's mark made since the first check is refused, not overwritten."""
+        if self._check_format(c) == FORMAT:
+            return
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            try:
+                if self._check_format(c) < FORMAT:
+                    c.execute(f"PRAGMA user_version={FORMAT}")
+            except BaseException:
+                c.execute("ROLLBACK")
+                raise
+            c.execute("COMMIT")
+        except sqlite3.OperationalError as exc:
+            if "readonly" not in str(exc):
+                raise
+            # A read-only file stays unmarked, and is read as it is.
+
+    def connect(self, shared: bool = False) -> sqlite3.Connection:
+        """A new connection; ``shared`` ones may move between threads (one at a time)."""
+        try:
+            if self.read_only:
+                return sqlite3.connect(f"{self.path.resolve().as_uri()}?mode=ro", uri=True, timeout=60.0,
+                                       isolation_level=None, check_same_thread=not shared)
+            c = sqlite3.connect(
+                self.path, timeout=60.0, isolation_level=None, check_same_thread=not shared
+            )
+            # Large pages suit multi-MiB chunk blobs (only takes effect on a new file), and a
+            # rowid table keeps blobs out of the index b-tree (WITHOUT ROWID copies them in).
+            c.execute("PRAGMA page_size=65536")
+            c.execute("PRAGMA journal_mode=WAL")
+            c.execute("PRAGMA synchronous=FULL")
+        except sqlite3.Error as exc:
+            raise self.wrap(exc) from exc
+        return c
+
+    def records_have_rowid(self) -> bool:
+        """Whether ``records`` is a rowid table (files made before it was are WITHOUT ROWID,
+        and their blobs cannot be opened incrementally)."""
+        known: bool | None = getattr(self, "_rowid", None)
+        if known is None:
+            row = self.conn().execute(
+                "SELECT sql FROM sqlite_master WHERE type='table' AND name='records'"
+            ).fetchone()
+            known = row is not None and "WITHOUT ROWID" not in str(row[0]).upper()
+            self._rowid = known
+        return known
+
+    def conn(self) -> sqlite3.Connection:
+        """This thread's connection."""
+        c: sqlite3.Connection | None = getattr(self._local, "conn", None)
+        if c is None:
+            c = self._local.conn = self.connect()
+        return c
+
+    def wrap(self, exc: sqlite3.Error) -> RewindError:
+        """Our error for a driver error, naming the file."""
+        msg = str(exc)
+        if isinstance(exc, sqlite3.DatabaseError) and (
+            "malformed" in msg or "not a database" in msg or "disk image" in msg
+        ):
+            return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
+        return self._error(f"embedded database {self.path}: {msg}")
+
+    @contextmanager
+    def txn(self, c: sqlite3.Connection | None = None) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT, rolled back if the block raises."""
+        c = c or self.conn()
+        try:
+            c.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise self.wrap(exc) from exc
+        try:
+            yield c
+        except BaseException:
+            c.execute("ROLLBACK")
+            raise
+        try:
+            c.execute("COMMIT")
+        except sqlite3.Error as exc:
+            c.execute("ROLLBACK")
+            raise self.wrap(exc) from exc
+
+    def close(self) -> None:
+        c = getattr(self._local, "conn", None)
+        if c is not None:
+            c.close()
+            self._local.conn = None
+
+
+def wrapped(fn: Callable[P, R]) -> Callable[P, R]:
+    """Turn sqlite3 errors raised by a method (of an object whose ``_db`` is its ``Database``)
+    into the backend's own error type."""
+
+    @functools.wraps(fn)
+    def run(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return fn(*args, **kwargs)
+        except sqlite3.Error as exc:
+            raise args[0]._db.wrap(exc) from exc  # type: ignore[attr-defined]
+
+    return run
+

@@ -1,0 +1,181 @@
+"""``EmbeddedLog``: a run's ``EventLog`` in a SQLite file, composed of the database
+(``db``), the writer (``writer``) and the reads (``reader``); and whole-file operations
+(listing runs, moving segment-file messages back into SQLite)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from eventlog import segments
+from eventlog.embedded.db import Database, path_from_url, wrapped
+from eventlog.embedded.reader import RunReader
+from eventlog.embedded.writer import EmbeddedWriter
+from eventlog.errors import EventLogError
+from eventlog.ports import CONTROL, Decoded, Decoder, EventLog, LogWriter, Record
+from eventlog.settings import current
+
+
+class EmbeddedLog(EventLog):
+    """A run's log in a SQLite file; ``read_only`` opens an existing one for reading only."""
+
+    dense_offsets = True
+
+    def scan_batch(self, partition: int) -> int:
+        # Rows per read transaction (see ``scan_decoded``; records are decoded one at a time).
+        settings = current()
+        return settings.read_batch if partition == CONTROL else settings.embedded_read_batch
+
+    def __init__(self, url: str, run_id: str, *, read_only: bool = False) -> None:
+        self.url, self.run_id = url, run_id
+        self._segments_root = segments.directory(path_from_url(url), run_id)
+        self._segments = segments.Reader(self._segments_root)
+        self._db = Database(path_from_url(url), EventLogError, read_only=read_only)
+        self._reader = RunReader(self._db, run_id, self._segments_root, self._segments)
+
+    @wrapped
+    def create(self, shards: int) -> None:
+        with self._db.txn() as c:
+            row = c.execute("SELECT shards FROM runs WHERE run=?", (self.run_id,)).fetchone()
+            if row is not None:
+                if row[0] != shards:
+                    raise EventLogError(
+                        f"run {self.run_id!r} exists with {row[0]} shards, not {shards}"
+                    )
+                return
+            c.execute("INSERT INTO runs VALUES (?,?)", (self.run_id, shards))
+            for p in range(-1, shards):
+                c.execute("INSERT INTO partitions VALUES (?,?,0,0)", (self.run_id, p))
+
+    @wrapped
+    def shard_count(self) -> int | None:
+        row = self._db.conn().execute(
+            "SELECT shards FROM runs WHERE run=?", (self.run_id,)
+        ).fetchone()
+        return None if row is None else int(row[0])
+
+    @wrapped
+    def writer(self, writer_id: str) -> LogWriter:
+        with self._db.txn() as c:
+            c.execute(
+                "INSERT INTO writers VALUES (?,?,1) ON CONFLICT(run, writer) "
+                "DO UPDATE SET epoch=epoch+1",
+                (self.run_id, writer_id),
+            )
+            (epoch,) = c.execute(
+                "SELECT epoch FROM writers WHERE run=? AND writer=?", (self.run_id, writer_id)
+            ).fetchone()
+        return EmbeddedWriter(self._db, self.run_id, self._segments_root, writer_id, int(epoch))
+
+    def read(
+        self, partition: int, *, gt: int | None = None, lte: int | None = None,
+        limit: int | None = None,
+    ) -> list[Record]:
+        return self._reader.read(partition, gt=gt, lte=lte, limit=limit)
+
+    @wrapped
+    def read_decoded(
+        self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
+        lte: int | None = None, limit: int | None = None,
+    ) -> list[Decoded]:
+        if not self._db.records_have_rowid():
+            return super().read_decoded(partition, decode, gt=gt, lte=lte, limit=limit)
+        return self._reader.read_decoded(partition, decode, gt=gt, lte=lte, limit=limit)
+
+    @wrapped
+    def scan_decoded(
+        self, partition: int, decode: Decoder[Any], *, gt: int | None = None,
+        lte: int | None = None, batch: int = 256,
+    ) -> Iterator[Decoded]:
+        """Records found ``batch`` rows per read transaction, each decoded only when the
+        caller reaches it (``RunReader.scan_decoded``)."""
+        if not self._db.records_have_rowid():  # whole copies: one large record per read
+            return super().scan_decoded(partition, decode, gt=gt, lte=lte,
+                                        batch=batch if partition == CONTROL else 1)
+        return self._reader.scan_decoded(partition, decode, gt=gt, lte=lte, batch=batch)
+
+    def record_file(self, partition: int, offset: int | None = None) -> str:
+        """The record's segment file, or the database file (also when the database is too
+        damaged to say)."""
+        return self._reader.record_file(partition, offset)
+
+    def _partition_row(self, partition: int) -> tuple[int, int]:
+        row = self._db.conn().execute(
+            "SELECT next_offset, start_offset FROM partitions WHERE run=? AND partition=?",
+            (self.run_id, partition),
+        ).fetchone()
+        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+
+    @wrapped
+    def end_offset(self, partition: int) -> int:
+        return self._partition_row(partition)[0]
+
+    @wrapped
+    def start_offset(self, partition: int) -> int:
+        return self._partition_row(partition)[1]
+
+    @wrapped
+    def truncate_before(self, partition: int, offset: int) -> None:
+        key = (self.run_id, partition)
+        with self._db.txn() as c:
+            for table in ("records", "extents"):
+                c.execute(f"DELETE FROM {table} WHERE run=? AND partition=? AND offset<?", (*key, offset))
+            c.execute(
+                "UPDATE partitions SET start_offset=MAX(start_offset, MIN(?, next_offset)) "
+                "WHERE run=? AND partition=?",
+                (offset, *key),
+            )
+            start = self._partition_row(partition)[1]
+            referenced = {str(f) for (f,) in c.execute(
+                "SELECT DISTINCT file FROM extents WHERE run=? AND partition=?", key)}
+        # Only after the commit: a failed one would bring back rows naming deleted files.
+        segments.remove_below(self._segments_root, partition, start, referenced)
+        self._segments.release_deleted()
+
+    def close(self) -> None:
+        self._segments.close()
+        self._db.close()
+
+
+def inline_segments(path: Path, segments_of: Path | None = None) -> int:
+    """Move every message of the database at ``path`` that lives in a segment file into
+    SQLite, the layout that versions before segment files read (for a downgrade, or for a
+    tool that reads messages with SQL). ``segments_of``: the database whose segment files
+    hold them, for a copy of it (default: ``path``). The segment files are left in place.
+    Returns the number of messages moved."""
+    source = segments_of or path
+    db = Database(path, EventLogError)
+    try:
+        with db.txn() as c:
+            rows = c.execute("SELECT run, partition, offset, file, pos, length FROM extents").fetchall()
+            readers: dict[str, segments.Reader] = {}  # one per run: each file is mapped once
+            for run, partition, offset, name, pos, length in rows:
+                where = f"run {run!r} partition {partition} offset {offset}"
+                reader = readers.setdefault(run, segments.Reader(segments.directory(source, run)))
+                value = bytes(reader.view(name, pos, length, where))
+                c.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
+                          (value, run, partition, offset))
+            c.execute("DELETE FROM extents")
+            for reader in readers.values():
+                reader.close()
+    except sqlite3.Error as exc:
+        raise db.wrap(exc) from exc
+    finally:
+        db.close()
+    return len(rows)
+
+
+def list_runs(url: str) -> list[str]:
+    """Runs recorded in an embedded database."""
+    path = path_from_url(url)
+    if not path.exists():
+        return []
+    db = Database(path, EventLogError, read_only=True)
+    try:
+        return [r[0] for r in db.conn().execute("SELECT run FROM runs ORDER BY run")]
+    except sqlite3.Error as exc:
+        raise db.wrap(exc) from exc
+    finally:
+        db.close()

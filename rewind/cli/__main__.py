@@ -1,0 +1,5 @@
+"""``python -m rewind.cli``: the ``rewind`` script."""
+
+from rewind.cli import main
+
+main()

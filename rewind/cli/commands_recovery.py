@@ -1,0 +1,127 @@
+"""Recovery commands: ``replay`` (rebuild and verify), ``recover`` (write a restorable
+checkpoint) and ``export`` (time travel to torch, safetensors or HF)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from eventlog import ConfigError, RunAddress, Target
+from eventlog.settings import current
+from replayer.replay import ReplayReport, replay, write_checkpoint
+from rewind.cli.common import (
+    OK,
+    AsJson,
+    CoordUrl,
+    LogUrl,
+    RunDir,
+    RunId,
+    Snaps,
+    To,
+    Workers,
+    address_of,
+    err,
+)
+from rewind.cli.output import emit_json, print_lines, table_lines
+
+if TYPE_CHECKING:
+    from eventlog.fold.engine import RebuiltState
+
+
+def replay_with_progress(address: RunAddress, target: Target,
+                          workers: int) -> tuple[RebuiltState, ReplayReport]:
+    with address.open_log() as log:
+        total = sum(log.end_offset(p) - log.start_offset(p) for p in log.partitions())
+    cols = (TextColumn("replaying {task.description}"), BarColumn(), TextColumn("{task.completed} msgs"),
+            TimeElapsedColumn())
+    # Drawn on a terminal only: a pipe or a log file gets no progress lines.
+    with Progress(*cols, console=err, transient=True, disable=not err.is_terminal) as progress:
+        task = progress.add_task(f"{address.run_id} to {target}", total=total)
+        return replay(address, target, workers=workers,
+                      on_bytes=lambda _n: progress.advance(task),
+                      share_torch_threads=current().replay_torch_threads)
+
+
+def report_lines(report: ReplayReport, verb: str) -> list[str]:
+    rows = [
+        ("version / step", f"{report.version} / {report.step}"),
+        ("events applied", str(report.applied)),
+        ("skipped: below the start snapshot", str(report.skipped_by_snapshot)),
+        ("skipped: duplicates", str(report.skipped_duplicate)),
+        ("skipped: never sealed", str(report.skipped_unsealed)),
+        ("read", f"{report.bytes / 1e6:.1f} MB in {report.seconds:.3f} s"),
+        ("state digest", report.state_digest),
+    ]
+    lines = [f"{verb} {report.run_id} to {report.target}: verified against its seal"]
+    lines += table_lines(("", ""), rows, flex=1)[1:]
+    lines += [f"passed over snapshot {sid}: {why}" for sid, why in report.passed_over]
+    source = report.snapshot or "the start of the log"
+    lines.append(f"started from {source}; replayed {report.tail_versions} versions of tail")
+    return lines
+
+
+def replay_cmd(
+    to: To = "latest", workers: Workers = 2, json_out: AsJson = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> int:
+    """Rebuild and verify the state at a target; print what was applied and skipped."""
+    target = Target.parse(to)
+    address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
+    _, report = replay_with_progress(address, target, workers)
+    if json_out:
+        emit_json("replay", True, report=report.to_json())
+    else:
+        print_lines(report_lines(report, "replay of"))
+    return OK
+
+
+def recover(
+    out: Annotated[Path, typer.Option("--out", help="checkpoint directory to write")],
+    to: To = "latest", workers: Workers = 2, json_out: AsJson = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> int:
+    """Write a restorable checkpoint (torch state_dicts, msgpack states, recovery.json)."""
+    target = Target.parse(to)
+    address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
+    state, report = replay_with_progress(address, target, workers)
+    files = write_checkpoint(state, report, out)
+    if json_out:
+        emit_json("recover", True, report=report.to_json(), files=[str(p) for p in files])
+        return OK
+    print_lines([*(f"wrote {p}" for p in files), *report_lines(report, "recovered")])
+    return OK
+
+
+def export(
+    out: Annotated[Path, typer.Option("--out", help="directory to write")],
+    to: To = "latest",
+    fmt: Annotated[str, typer.Option("--format", help="torch, safetensors or hf")] = "torch",
+    config_hook: Annotated[str | None, typer.Option(
+        "--config-hook", help="module:function writing HF config.json")] = None,
+    workers: Workers = 2, json_out: AsJson = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> int:
+    """Write the state at any reachable point (time travel) as torch, safetensors or HF."""
+    from replayer.export import FORMATS, load_hook
+    from replayer.export import export as do_export
+
+    if fmt not in FORMATS:  # before the replay, which may take long
+        raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    if config_hook:
+        load_hook(config_hook)
+    target = Target.parse(to)
+    address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
+    state, report = replay_with_progress(address, target, workers)
+    files = do_export(state, report, out, fmt, config_hook)
+    if json_out:
+        emit_json("export", True, report=report.to_json(), format=fmt, files=[str(p) for p in files])
+        return OK
+    print_lines([*(f"wrote {p}" for p in files),
+                  f"exported version {report.version} (step {report.step}) as {fmt}"])
+    return OK

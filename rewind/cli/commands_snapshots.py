@@ -1,0 +1,150 @@
+"""Snapshot commands: ``snapshot`` (one now), ``snapshotter`` (follow the run on a policy)
+and ``verify`` (check every kept snapshot and every reachable version)."""
+
+from __future__ import annotations
+
+import dataclasses
+import textwrap
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from eventlog import ConfigError, RunAddress
+from rewind.cli.common import (
+    CHECK_FAILED,
+    OK,
+    AsJson,
+    CoordUrl,
+    LogUrl,
+    RunDir,
+    RunId,
+    Snaps,
+    Workers,
+    address_of,
+)
+from rewind.cli.output import emit_json, print_lines, say, terminal_width
+
+if TYPE_CHECKING:
+    from snapshotter.policies import Retention, Trigger
+    from snapshotter.service import Snapshotter
+
+
+def policies(every: int, seconds: float, keep: int | None, best: str | None,
+              every_steps: int | None) -> tuple[Trigger, Retention]:
+    """The trigger, and the union of the retention options given (none given: keep all)."""
+    from snapshotter.policies import every_seconds, every_versions, keep_all, keep_best, keep_every, keep_last
+
+    trigger = every_versions(every) | every_seconds(seconds)
+    retention = keep_all() if keep is None else keep_last(keep)
+    if keep is None and (best or every_steps is not None):
+        retention = keep_last(0)  # the other options alone say what to keep
+    if best:
+        metric, _, rest = best.partition(":")
+        k, _, mode = rest.partition(":")
+        if not metric or not (k or "1").isdigit():
+            raise ConfigError(f"--keep-best {best!r}: use METRIC:K[:max|min], e.g. reward:2:max")
+        retention = retention | keep_best(int(k or 1), metric, mode or "max")
+    if every_steps is not None:
+        retention = retention | keep_every(every_steps)
+    return trigger, retention
+
+
+Every = Annotated[int, typer.Option("--every-versions", min=1, help="snapshot every N versions")]
+Seconds = Annotated[float, typer.Option("--every-seconds", min=0.0, help="or every S seconds")]
+Keep = Annotated[int, typer.Option("--keep-last", min=0, help="keep the N newest snapshots")]
+KeepNow = Annotated[int | None, typer.Option(
+    "--keep-last", min=0, help="delete all but the N newest snapshots (default: delete none, unless "
+                        "--keep-best or --keep-every is given)")]
+Best = Annotated[str | None, typer.Option("--keep-best", help="also keep the best: METRIC:K[:max|min]")]
+EverySteps = Annotated[int | None, typer.Option("--keep-every", min=1, help="also keep one per M steps")]
+History = Annotated[str, typer.Option("--history", help="keep-all, since-oldest-snapshot, or N steps")]
+Holder = Annotated[str | None, typer.Option(
+    "--holder", help="lease holder id; a restarted snapshotter with the same id takes its lease back "
+                     "at once (default: a random id, which waits for the old lease to expire)")]
+
+
+def open_snapshotter(address: RunAddress, every: int, seconds: float, keep: int | None, best: str | None,
+                 every_steps: int | None, history: str, holder: str | None,
+                 on_event: Callable[[str], None]) -> Snapshotter:
+    from snapshotter.service import Snapshotter, SnapshotterConfig
+    from snapshotter.store import SnapshotStore
+
+    if not address.snapshots_url:
+        raise ConfigError("no snapshot store: pass --snapshots file://DIR (or use --run-dir)")
+    trigger, retention = policies(every, seconds, keep, best, every_steps)
+    config = SnapshotterConfig(trigger=trigger, retention=retention, history=history)
+    return Snapshotter(address, SnapshotStore(address.snapshots_url), config, holder=holder,
+                       on_event=on_event)
+
+
+def snapshot(
+    keep: KeepNow = None, best: Best = None, every_steps: EverySteps = None, history: History = "keep-all",
+    holder: Holder = None, json_out: AsJson = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> int:
+    """Write one snapshot of the newest sealed version now; deletes no older snapshot
+    unless a retention option (--keep-last, --keep-best, --keep-every) is given."""
+    address = address_of(run_dir, log, coord, run, snapshots)
+    with dataclasses.replace(address, read_only=True).open_log():
+        pass  # the run's log must exist: a snapshot of nothing creates nothing
+    with open_snapshotter(address, 1, 0.0, keep, best, every_steps, history, holder,
+                      lambda m: say(m, to_stderr=json_out)) as snap:
+        result = snap.snapshot(force=True)
+    if json_out:
+        emit_json("snapshot", True, run=address.run_id,
+                   snapshot=None if result is None else dataclasses.asdict(result))
+    elif result is None:
+        say("nothing new to snapshot")
+    else:
+        say(f"snapshot {result.snapshot_id}: version {result.version}, step {result.step}, "
+            f"{result.seconds:.2f} s, deleted {len(result.deleted)}")
+    return OK
+
+
+def snapshotter_cmd(
+    every: Every = 100, seconds: Seconds = 600.0, keep: Keep = 3, best: Best = None,
+    every_steps: EverySteps = None, history: History = "keep-all", holder: Holder = None,
+    max_snapshots: Annotated[int | None, typer.Option(
+        "--max-snapshots", min=1, help="exit after N snapshots")] = None,
+    json_out: AsJson = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> int:
+    """Follow the run's log and snapshot it on a policy (a lease allows one writer); a
+    snapshotter fenced by another one stops with a FencedError (exit 2)."""
+    address = address_of(run_dir, log, coord, run, snapshots)
+    with open_snapshotter(address, every, seconds, keep, best, every_steps, history, holder,
+                      lambda m: say(m, to_stderr=json_out)) as snap:
+        written = snap.run(max_snapshots=max_snapshots)
+    if json_out:
+        emit_json("snapshotter", True, run=address.run_id, written=written)
+    return OK
+
+
+def verify(
+    json_out: AsJson = False, workers: Workers = 2,
+    deep: Annotated[bool, typer.Option(
+        "--deep", help="also check every version's shard digests against its seal")] = False,
+    run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
+    snapshots: Snaps = None,
+) -> int:
+    """Check every kept snapshot and every version a replay can reach; exit 1 on damage."""
+    from snapshotter.verify import verify_run
+
+    address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
+    report = verify_run(address, workers=workers, deep=deep)
+    status = OK if report.ok else CHECK_FAILED
+    if json_out:
+        emit_json("verify", report.ok, **{**dataclasses.asdict(report), "run": address.run_id,
+                                           "findings": [dataclasses.asdict(f) for f in report.findings]})
+        return status
+    width = terminal_width()
+    lines = [f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}"]
+    for f in report.findings:
+        text = textwrap.wrap(f"{f.subject}: {f.detail}", width - 6, break_long_words=False,
+                             break_on_hyphens=False)
+        lines += [f"{f.status if k == 0 else '':<4}  {part}" for k, part in enumerate(text)]
+    print_lines(lines)
+    return status
