@@ -30,6 +30,9 @@ it (segment file or database). The fold of its partition then goes on from the o
 kept snapshot past it; the versions in between are reported unreachable. Each snapshot
 the log announces is classified by the code recovery uses: valid, deleted by retention
 (its tombstone says so), orphan (no end marker) or damaged.
+
+Its length is the patrol's: the walk, the resumption past damage and the report are one
+job whose parts share the per-partition cursor state.
 """
 
 from __future__ import annotations
