@@ -133,7 +133,8 @@ def read_record(db: Path, run: str, partition: int, offset: int) -> bytes:
 def write_record(db: Path, run: str, partition: int, offset: int, value: bytes) -> None:
     with sqlite3.connect(db) as c:
         n = c.execute(
-            "UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?", (value, run, partition, offset)
+            "UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
+            (value, run, partition, offset)
         ).rowcount
         assert n == 1
     c.close()
@@ -173,9 +174,9 @@ def restore_fails(
     before_model = bits(model)
     before_rng = torch.get_rng_state().clone()
     before_log = log_rows(run.db)
-    with pytest.raises(error) as info:
-        with Recorder(run.address(run_id), model, chunk_bytes=64, **kwargs) as rec:
-            rec.restore()
+    with pytest.raises(error) as info, Recorder(run.address(run_id), model, chunk_bytes=64,
+                                                **kwargs) as rec:
+        rec.restore()
     settle(run.db)
     assert_same_bits(model, before_model)
     assert torch.equal(torch.get_rng_state(), before_rng), "a failed restore changed the global RNG"
@@ -234,7 +235,8 @@ def test_corrupted_payload_byte(tmp_path: Path, compression: str, where: str) ->
     # Byte 4 of a blosc2 payload is in its header's uncompressed-size field; "body" is 3/4
     # into the payload, past the 32-byte blosc2 header, inside the zstd stream. (Some header
     # bytes are ignored by blosc2: see test_a_damaged_payload_never_yields_wrong_bits.)
-    index = {"size-field": start + 4, "body": start + 3 * len(delta.payload) // 4, "last": start + len(delta.payload) - 1}[where]
+    size = len(delta.payload)
+    index = {"size-field": start + 4, "body": start + 3 * size // 4, "last": start + size - 1}[where]
     damaged = bytearray(value)
     damaged[index] ^= 0x5A
     write_record(run.db, run.run_id, partition, offset, bytes(damaged))
@@ -290,7 +292,8 @@ def test_corrupted_magic_byte(tmp_path: Path, partition: int) -> None:
     value[0] ^= 0xFF
     write_record(run.db, run.run_id, partition, offset, bytes(value))
 
-    for exc in (rebuild_fails(run, CorruptMessageError), restore_fails(run, Net(seed=9), CorruptMessageError)):
+    for exc in (rebuild_fails(run, CorruptMessageError),
+                restore_fails(run, Net(seed=9), CorruptMessageError)):
         names_location(exc, run.run_id, partition, offset)
         assert "c301" in str(exc), "the message should say which magic was expected"
 

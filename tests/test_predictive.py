@@ -28,10 +28,12 @@ from .storage import inline_segments
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
-    "adam-foreach-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-3, foreach=True, amsgrad=True, weight_decay=0.01),
+    "adam-foreach-amsgrad": lambda p: torch.optim.Adam(p, lr=1e-3, foreach=True, amsgrad=True,
+                                                       weight_decay=0.01),
     "adamw": lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.1),
     "sgd-nesterov": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True),
-    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, foreach=True, weight_decay=1e-4),
+    "sgd-momentum-foreach": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.8, foreach=True,
+                                                      weight_decay=1e-4),
     "sgd-plain": lambda p: torch.optim.SGD(p, lr=0.05),
     "adam-fused": lambda p: torch.optim.Adam(p, lr=1e-3, fused=True),
 }
@@ -69,7 +71,8 @@ class Live:
             state, report = replay(address, Target("version", version))
             got = state_dicts(state)
             assert _bits(got["model"]) == _bits(want["model"]), f"model at version {version}"
-            assert _bits(got["optimizer"]["state"]) == _bits(want["optimizer"]), f"optimizer at version {version}"
+            assert _bits(got["optimizer"]["state"]) == _bits(want["optimizer"]), \
+                f"optimizer at version {version}"
             assert report.skipped_duplicate == report.skipped_unsealed == 0
 
 
@@ -265,7 +268,8 @@ def test_batched_steps_that_diverge_alone_are_reported_as_such(
         replay(address, Target(), settings=current().with_changes(replay_defer_steps=True))
     msg = str(info.value)
     assert "rebuilt to version 3 has digest" in msg
-    assert "a fold that checked every step and gradient chunk (and the snapshot's files) matched the seal" in msg
+    assert ("a fold that checked every step and gradient chunk (and the snapshot's files) "
+            "matched the seal") in msg
     assert "to name" not in msg  # no advice to look for a damaged chunk
 
 
@@ -483,7 +487,8 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
     address, db = _trained_embedded_run(tmp_path, "grads", 4)
     inline_segments(db)
     with sqlite3.connect(db) as c:
-        rows = c.execute("SELECT partition, offset, value FROM records WHERE run='grads' AND partition>=0").fetchall()
+        rows = c.execute("SELECT partition, offset, value FROM records "
+                         "WHERE run='grads' AND partition>=0").fetchall()
         grads = [(p, o, bytes(v), body) for p, o, v in rows
                  if isinstance(body := serde.decode(bytes(v)).body, TensorDelta) and body.encoding == "GRAD"]
         # (a chunk lz4 cannot shrink is stored raw)

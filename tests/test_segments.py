@@ -213,7 +213,8 @@ def test_a_missing_or_short_segment_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(CorruptStoreError, match=f"partition 0 offset 0: segment file {seg} is missing"):
         list(log.scan_decoded(0, _decode, batch=1))
     # A writer does not make the file again: new bytes would sit where the old rows point.
-    with pytest.raises(CorruptStoreError, match=f"segment file {seg}, which the log's newest records name, is missing"):
+    with pytest.raises(CorruptStoreError,
+                       match=f"segment file {seg}, which the log's newest records name, is missing"):
         _append(log, [_payload(2)])
     assert not seg.exists() and log.end_offset(0) == 2
     log.close()
@@ -348,7 +349,8 @@ def test_a_scan_finds_rows_in_pages_but_decodes_each_record_when_reached(
     if batch == 1:
         assert next(scan).offset == 2
     else:
-        with pytest.raises(TruncatedHistoryError, match="partition 0 offset 1 was truncated while it was being read"):
+        with pytest.raises(TruncatedHistoryError,
+                           match="partition 0 offset 1 was truncated while it was being read"):
             next(scan)
     log.close()
 
@@ -476,7 +478,8 @@ def test_a_commit_to_more_files_than_it_keeps_open_keeps_every_byte(
     w.close()
     assert len(_segment_files(db)) == 5 and _open_segment_files(tmp_path) == []
     for p in range(5):
-        assert [bytes(d.value.body.payload) for d in log.scan_decoded(p, _decode, batch=1)] == [_payload(p)] * 2
+        payloads = [bytes(d.value.body.payload) for d in log.scan_decoded(p, _decode, batch=1)]
+        assert payloads == [_payload(p)] * 2
     log.close()
 
 

@@ -43,7 +43,8 @@ class Trainer:
     def __init__(self, address: RunAddress, sizes: tuple[int, int, int] = (16, 32, 3)) -> None:
         torch.manual_seed(0)
         self.inputs = sizes[0]
-        self.model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]), torch.nn.Linear(sizes[1], sizes[2]))
+        self.model = torch.nn.Sequential(torch.nn.Linear(sizes[0], sizes[1]),
+                                         torch.nn.Linear(sizes[1], sizes[2]))
         self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-2)
         self.rec = Recorder(address, self.model, self.opt, rng=False, chunk_bytes=1024)
         self.states: dict[int, dict[str, torch.Tensor]] = {}
@@ -60,7 +61,8 @@ class Trainer:
 
     def optimizer_state(self) -> dict[str, torch.Tensor]:
         """The optimizer's per-param states now, flat: ``"<param index>.<key>"``."""
-        return {f"{i}.{k}": v.clone() for i, s in self.opt.state_dict()["state"].items() for k, v in s.items()}
+        return {f"{i}.{k}": v.clone()
+                for i, s in self.opt.state_dict()["state"].items() for k, v in s.items()}
 
 
 def _model_at(address: RunAddress, target: Target) -> tuple[dict[str, torch.Tensor], object]:
@@ -69,7 +71,8 @@ def _model_at(address: RunAddress, target: Target) -> tuple[dict[str, torch.Tens
 
 
 def _bit_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
+                                        for k in a)
 
 
 def _snapshotter(address: RunAddress, holder: str | None = None, **config: object) -> Snapshotter:
