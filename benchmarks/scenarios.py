@@ -94,8 +94,8 @@ def _joint_ceiling(floor_1: float | None, floor_2: float | None, load: float | N
     """An estimate of the highest 2-vs-1 speedup a replay can have while its 2-worker time
     meets the recovery target (<= ``RECOVERY_LIMIT`` x ``torch.load``), given the floors
     (``benchmarks.floor``). A model, not a proof: it assumes a second worker at best halves
-    the replay's overhead (the time above the floor). Measured medians this session put the
-    1-worker overhead at 1.4-2.2x the 2-worker one.
+    the replay's overhead (the time above the floor); ``docs/performance.md`` gives the
+    measured ratio of the two overheads.
 
     With ``o2`` the 2-worker overhead and ``o1 <= 2 x o2``, the speedup is at most
     ``(floor_1 + 2 x o2) / (floor_2 + o2)``. The target caps ``o2`` at
