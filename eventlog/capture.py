@@ -21,6 +21,7 @@ from eventlog.fold.engine import RebuiltState
 from eventlog.statecodec import TensorRef
 
 #: Objects whose tensors go to the tensor shards; every other object is a small state.
+#: States whose tensors go to the tensor shards; a recorder adds its ``buffers`` to them.
 TENSOR_ROLES = ("model", "optimizer")
 
 
@@ -132,12 +133,22 @@ def recorded_trees(state: RebuiltState, names: Iterable[str] | None = None) -> d
             f"run {state.run_id!r} recorded no state for {', '.join(map(repr, missing))} "
             f"(it has: {', '.join(sorted(state.small.states))})"
         )
-    tensors = rebuilt_tensors(state) if any(n in TENSOR_ROLES for n in wanted) else {}
-    trees = {}
-    for name in wanted:
-        tree = statecodec.unpack(state.small.states[name], f"small state {name!r}")
-        trees[name] = unflatten(tree, tensors) if name in TENSOR_ROLES else tree
-    return trees
+    skeletons = {n: statecodec.unpack(state.small.states[n], f"small state {n!r}") for n in wanted}
+    # Tensor roles and buffers hold references into the shards; other small states do not.
+    refs = [n for n, tree in skeletons.items() if holds_refs(tree)]
+    tensors = rebuilt_tensors(state) if refs else {}
+    return {n: unflatten(tree, tensors) if n in refs else tree for n, tree in skeletons.items()}
+
+
+def holds_refs(tree: Any) -> bool:
+    """True when a state skeleton refers to a tensor recorded in the shards."""
+    if isinstance(tree, TensorRef):
+        return True
+    if isinstance(tree, dict):
+        return any(holds_refs(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return any(holds_refs(v) for v in tree)
+    return False
 
 
 def load_into(objects: Mapping[str, Stateful], state: RebuiltState) -> None:

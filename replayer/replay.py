@@ -177,7 +177,7 @@ def write_checkpoint(state: RebuiltState, report: ReplayReport, out: Path) -> li
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, tree in state_dicts(state).items():
-        if name in TENSOR_ROLES:
+        if name in TENSOR_ROLES or any(t.name.startswith(f"{name}/") for t in state.layout.tensors):
             path = out / f"{name}.pt"
             _atomic(path, functools.partial(_save_tree, tree))
         else:

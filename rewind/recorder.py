@@ -147,7 +147,9 @@ class Recorder:
 
     ``objects`` are ``Stateful``: ``model`` and ``optimizer`` go to the tensor shards,
     ``scheduler``, ``sampler``, the global RNGs (``rng=True``) and every ``extra`` object
-    are small states. Use as a context manager, or call ``close()``.
+    are small states. The tensors in each ``buffers`` object's state (a replay buffer, say)
+    go to the tensor shards too, as XOR deltas: a commit writes only the chunks that
+    changed since the previous version. Use as a context manager, or call ``close()``.
 
     ``restore()`` loads the newest sealed version: from the newest valid snapshot plus the
     versions after it in the log (through ``replayer.replay``). ``snapshots`` (a trigger such
@@ -172,6 +174,7 @@ class Recorder:
         rng: bool = True,
         extra: Mapping[str, Stateful] | None = None,
         *,
+        buffers: Mapping[str, Stateful] | None = None,
         shards: int | None = None,
         writer_id: str | None = None,
         max_inflight: int | None = None,
@@ -197,12 +200,14 @@ class Recorder:
             objects[name] = obj
         if rng:
             objects["rng"] = GlobalRng()
-        for name, obj in (extra or {}).items():
-            if name in objects or name in ("model", "optimizer", "scheduler", "sampler", "rng"):
-                raise ConfigError(f"extra state name {name!r} is reserved or used twice")
-            if not isinstance(obj, Stateful):
-                raise ConfigError(f"extra state {name!r} has no state_dict/load_state_dict")
-            objects[name] = obj
+        for kind, given in (("extra", extra), ("buffer", buffers)):
+            for name, obj in (given or {}).items():
+                if name in objects or name in ("model", "optimizer", "scheduler", "sampler", "rng"):
+                    raise ConfigError(f"{kind} state name {name!r} is reserved or used twice")
+                if not isinstance(obj, Stateful):
+                    raise ConfigError(f"{kind} state {name!r} has no state_dict/load_state_dict")
+                objects[name] = obj
+        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(buffers or {})
         settings = settings or current()
         shards = settings.shards if shards is None else shards
         max_inflight = settings.max_inflight if max_inflight is None else max_inflight
@@ -394,7 +399,7 @@ class Recorder:
         small: dict[str, bytes] = {}
         for name, obj in self._objects.items():
             tree = obj.state_dict()
-            if name in TENSOR_ROLES:
+            if name in self._tensor_roles:
                 found, tree = flatten(name, tree)
                 tensors.update(found)
             small[name] = statecodec.pack(tree)

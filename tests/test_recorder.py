@@ -93,6 +93,41 @@ def test_extra_state_names_are_checked(tmp_path: Path) -> None:
         Recorder(_address(tmp_path), torch.nn.Linear(2, 2), extra={"model": Env()})
 
 
+class _Ring:
+    """A replay-buffer-like state: a preallocated tensor filled a few rows per step."""
+
+    def __init__(self, rows: int) -> None:
+        self.obs = torch.zeros(rows, 16)
+        self.pos = 0
+
+    def state_dict(self) -> dict[str, object]:
+        return {"obs": self.obs, "pos": self.pos}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.obs.copy_(state["obs"])  # type: ignore[arg-type]
+        self.pos = state["pos"]  # type: ignore[assignment]
+
+
+def test_a_buffer_costs_what_was_added_and_restores_bit_equal(tmp_path: Path) -> None:
+    added_bytes = {}
+    for rows in (1 << 15, 1 << 18):
+        torch.manual_seed(0)
+        ring = _Ring(rows)
+        with Recorder(_address(tmp_path, f"r{rows}"), torch.nn.Linear(2, 2), buffers={"rb": ring}) as rec:
+            sizes = []
+            for step in range(4):
+                ring.obs[ring.pos:ring.pos + 64] = torch.randn(64, 16)
+                ring.pos += 64
+                sizes.append(rec.commit(step, wait=True).result().encoded_bytes)
+        added_bytes[rows] = sizes[-1]
+        again = _Ring(rows)
+        with Recorder(_address(tmp_path, f"r{rows}"), torch.nn.Linear(2, 2), buffers={"rb": again}) as rec:
+            assert rec.restore().step == 3
+        assert torch.equal(again.obs.view(torch.int32), ring.obs.view(torch.int32)) and again.pos == 256
+    # 8x the buffer, the same rows added: a commit's bytes follow the rows, not the buffer.
+    assert added_bytes[1 << 18] < 1.2 * added_bytes[1 << 15]
+
+
 def _train(model: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
     model(torch.randn(2, model.in_features)).sum().backward()
     opt.step()
