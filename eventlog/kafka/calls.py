@@ -37,6 +37,11 @@ _TRANSIENT = {
     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.REQUEST_TIMED_OUT,
     KafkaError.NETWORK_EXCEPTION, KafkaError.CONCURRENT_TRANSACTIONS,
     getattr(KafkaError, "NOT_LEADER_FOR_PARTITION", 6),
+    # A request in flight to a broker that left the cluster's metadata (a killed leader):
+    # librdkafka drops that broker's handle and fails the request; the next one goes to
+    # the new leader.
+    KafkaError._DESTROY_BROKER, KafkaError._NODE_UPDATE,
+    KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
 }
 #: Errors saying a topic or partition does not exist.
 UNKNOWN = {KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
