@@ -2,11 +2,14 @@
 
     python -m benchmarks [--size 100M|25M|5M] [--json out.json] [--repeats N]
                          [--only scenario,...] [--kafka BOOTSTRAP --redis URL]
+    python -m benchmarks --sizes 1M,5M,25M,100M [--json out.json]   # one column per size
 
 Prints a table of figures, ratios and the issue's targets (PASS/MISS), and writes every
 figure to JSON under stable keys: ``meta``, one object per scenario
 (``commit_blocking_s``, ``commit_throughput_mb_s``, ``bytes_per_commit_ratio``,
-``recovery_s``, ``kafka_produce_mb_s``, ``follower_sync_s``) and ``targets``. Not a test.
+``recovery_s``, ``kafka_produce_mb_s``, ``follower_sync_s``) and ``targets``. With
+``--sizes``, the core scenarios and the recorder's memory at each size (``benchmarks.sizes``).
+Not a test.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from . import sizes
 from .model import parse_size
 from .scenarios import RECOVERY_LIMIT, SCENARIOS, Config, run_all
 
@@ -215,19 +219,31 @@ def _div(a: float | None, b: float | None) -> float | None:
     return None if a is None or not b else a / b
 
 
+def _or(value: int | None, default: int) -> int:
+    return default if value is None else value
+
+
+def write_json(path: str, results: dict[str, Any]) -> None:
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2, sort_keys=False)
+        f.write("\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
-    ap.add_argument("--size", default="100M", help="fp32 parameters (100M, 25M, 5M, ...)")
+    ap.add_argument("--size", help="fp32 parameters (100M, 25M, 5M, ...; default 100M)")
+    ap.add_argument("--sizes", help="comma-separated sizes (e.g. 1M,5M,25M,100M): the core scenarios "
+                    "and the recorder's memory at each, one column per size")
     ap.add_argument("--json", help="write every figure to this JSON file")
     ap.add_argument("--repeats", type=int, default=None,
                     help="repeats of replays, loads, produce runs and follower polls "
                          "(default 3, or 2 from 50M parameters up to stay under 10 minutes)")
-    ap.add_argument("--versions", type=int, default=20,
+    ap.add_argument("--versions", type=int, default=None,
                     help="versions committed after the FULL one (commit medians are over them)")
-    ap.add_argument("--tail", type=int, default=10,
+    ap.add_argument("--tail", type=int, default=None,
                     help="versions after the snapshot that recovery replays (default 10; at most "
                          "half of --versions). E.g. --versions 49 --tail 10: a 50-version log")
-    ap.add_argument("--warmup-steps", type=int, default=100,
+    ap.add_argument("--warmup-steps", type=int, default=None,
                     help="Adam steps before the first commit (the bytes target is after 100)")
     ap.add_argument("--codec-steps", type=int, default=100,
                     help="Adam steps of the predictive vs XOR comparison (default 100)")
@@ -239,6 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the run's files")
     ap.add_argument("--quiet", action="store_true", help="only the table")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    if args.sizes and (args.size or args.only):
+        ap.error("--sizes runs the core scenarios at each size: leave out --size and --only")
+    if args.sizes:
+        try:
+            sizes.parse_sizes(args.sizes)
+        except ValueError as exc:
+            ap.error(str(exc))
 
     only = set(SCENARIOS)
     if args.only:
@@ -251,11 +275,18 @@ def main(argv: list[str] | None = None) -> int:
         console = Console(stderr=False, width=150)
     log = (lambda _m: None) if args.quiet else (lambda m: console.print(m, markup=False,
                                                                           highlight=False))
+    if args.sizes:
+        results = sizes.run(args, console, log,
+                            save=(lambda doc: write_json(args.json, doc)) if args.json else None)
+        if args.json:
+            console.print(f"figures written to {args.json}")
+        return 0
+    args.size = args.size or "100M"
     params = parse_size(args.size)
     repeats = args.repeats if args.repeats is not None else (3 if params < 50_000_000 else 2)
     cfg = Config(
-        params=params, repeats=max(1, repeats), versions=args.versions, tail=args.tail,
-        warmup_steps=args.warmup_steps, workdir=args.workdir, keep=args.keep,
+        params=params, repeats=max(1, repeats), versions=_or(args.versions, 20), tail=_or(args.tail, 10),
+        warmup_steps=_or(args.warmup_steps, 100), workdir=args.workdir, keep=args.keep,
         kafka=args.kafka, redis=args.redis, kafka_home=args.kafka_home, only=only, log=log,
         codec_steps=args.codec_steps,
     )
@@ -277,9 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"wall time {meta['wall_s']:.0f} s; load average at end "
                   f"{', '.join(f'{x:.2f}' for x in meta['load_average'])}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ordered, f, indent=2, sort_keys=False)
-            f.write("\n")
+        write_json(args.json, ordered)
         console.print(f"figures written to {args.json}")
     return 0
 

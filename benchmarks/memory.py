@@ -53,11 +53,14 @@ def measure(size: str, codec: str, snapshots: bool, commits: int, root: Path) ->
     import torch
 
     from benchmarks.model import Workload, parse_size
+    from eventlog import RunAddress
+    from rewind import Snapshots, every_versions, keep_last
+    from rewind.recorder import Recorder
 
     work = Workload.build(parse_size(size))
     work.step()
     state = work.raw_bytes()
-    baseline = status_kib("VmRSS")
+    baseline = status_kib("VmRSS")  # after every import: the peak counts memory, not code
     peak_reset = reset_peak()
     rss: dict[int, int] = {}
     if codec == "clone":
@@ -69,10 +72,6 @@ def measure(size: str, codec: str, snapshots: bool, commits: int, root: Path) ->
             rss[i + 1] = status_kib("VmRSS")
         del staged
     else:
-        from eventlog import RunAddress
-        from rewind import Snapshots, every_versions, keep_last
-        from rewind.recorder import Recorder
-
         url = f"sqlite://{root / 'rewind.db'}"
         address = RunAddress(url, url, "memory", f"file://{root / 'snapshots'}")
         snaps = Snapshots(every_versions(SNAPSHOT_EVERY), keep=keep_last(2)) if snapshots else None
@@ -104,6 +103,23 @@ def run_child(size: str, codec: str, snapshots: bool, commits: int) -> dict[str,
         out = subprocess.run(args, check=True, capture_output=True, text=True)
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+#: The recorder runs of each size's table (``python -m benchmarks --sizes``): key ->
+#: (codec, snapshots). ``clone`` is DCP-style staging, the comparison.
+RECORDER_RUNS = {"predictive": ("predictive", True), "xor": ("xor", True), "clone": ("clone", False)}
+
+
+def recorder_runs(size: str, commits: int) -> dict[str, dict[str, Any]]:
+    """``RECORDER_RUNS``, each in a fresh process; a run that fails (e.g. killed for memory)
+    gives ``{"error": ...}`` and the others still run."""
+    out: dict[str, dict[str, Any]] = {}
+    for key, (codec, snapshots) in RECORDER_RUNS.items():
+        try:
+            out[key] = run_child(size, codec, snapshots, commits)
+        except subprocess.CalledProcessError as exc:
+            out[key] = {"error": f"exit status {exc.returncode}: {(exc.stderr or '')[-500:]}"}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -113,7 +113,7 @@ class Workload:
 
     def checkpoint(self) -> dict[str, Any]:
         """The same state as a ``torch.save`` tree that ``torch.load(weights_only=True)`` reads."""
-        np_state = np.random.get_state()
+        np_state = cast(tuple[Any, ...], np.random.get_state())  # the legacy form: a tuple
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),

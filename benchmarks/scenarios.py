@@ -34,10 +34,8 @@ from typing import Any
 
 import torch
 
-from eventlog import RunAddress, Target
+from eventlog import RunAddress
 from rewind.recorder import Recorder
-from snapshotter.service import Snapshotter, SnapshotterConfig
-from snapshotter.store import SnapshotStore
 
 from .model import AdamScaling, BusScaling, MemcpyFloor, Workload, save_checkpoint
 
@@ -110,10 +108,17 @@ def _joint_ceiling(floor_1: float | None, floor_2: float | None, load: float | N
     return max(floor_1 / floor_2, (floor_1 + 2 * o2) / (floor_2 + o2))
 
 
-def _floor_steps(base: list[str], repeats: int, tail: int) -> tuple[dict[str, Any] | None, str | None]:
+def _floor_steps(base: list[str], repeats: int, tail: int,
+                 state_bytes: int) -> tuple[dict[str, Any] | None, str | None]:
     """The floor's steps and checks (``benchmarks.floor.measure_steps``, in a fresh
-    process), or why not: a failure there (it holds the state twice and the tail's
-    gradients once) costs the floor rows, not the replay figures."""
+    process), or why not: a failure there costs the floor rows, not the replay figures.
+    Not started when it would not fit in the memory available now: it holds the state
+    twice and the tail's gradients once (Adam: a third of the state per version)."""
+    need = int(state_bytes * (2 + tail / 3))
+    available = _available_bytes()
+    if available is not None and need > 0.9 * available:
+        return None, (f"the floor's steps need about {need / MB:.0f} MB, and {available / MB:.0f} MB "
+                      "is available")
     try:
         floor = _timed(["steps", *base, str(repeats)])
     except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:
@@ -121,6 +126,18 @@ def _floor_steps(base: list[str], repeats: int, tail: int) -> tuple[dict[str, An
     if floor["tail_versions"] != tail:
         return None, f"the floor folded a {floor['tail_versions']}-version tail, the replays {tail}"
     return floor, None
+
+
+def _available_bytes() -> int | None:
+    """``MemAvailable`` from ``/proc/meminfo``, or ``None`` where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _sum(*xs: float | None) -> float | None:
@@ -161,6 +178,8 @@ class Recording:
     memcpy_s: list[float] = field(default_factory=list)
     snapshot_s: float | None = None
     snapshot_version: int | None = None
+    #: The snapshotter process's peak resident memory above its own baseline.
+    snapshot_peak_extra_bytes: int | None = None
     last_checkpoint: str | None = None
 
     def deltas(self, xs: list[Any]) -> list[Any]:
@@ -187,7 +206,7 @@ def baselines(cfg: Config, work: Workload, path: Path, n: int, r: Recording) -> 
         r.save_s.append(t1 - t0)
         r.fsync_s.append(t2 - t0)
     cfg.log(f"  torch.save {med(r.save_s):.3f} s, +fsync {med(r.fsync_s):.3f} s, "
-            f"memcpy {med(r.memcpy_s) * 1e3:.1f} ms (medians of {n})")
+            f"memcpy {statistics.median(r.memcpy_s) * 1e3:.1f} ms (medians of {n})")
     path.unlink(missing_ok=True)
 
 
@@ -222,16 +241,14 @@ def record(
                     f"durable {rec_out.durable[-1]:.2f} s, "
                     f"{res.encoded_bytes / max(1, res.raw_bytes):.3f} of {res.raw_bytes / MB:.0f} MB")
             if snapshot_at is not None and res.version == snapshot_at:
-                t0 = time.perf_counter()
-                snap = Snapshotter(address, SnapshotStore(address.snapshots_url or ""),
-                                   SnapshotterConfig(workers=2))
-                with snap:
-                    result = snap.snapshot(force=True)
-                del snap
-                gc.collect()
-                rec_out.snapshot_s = time.perf_counter() - t0
-                rec_out.snapshot_version = result.version if result else None
-                cfg.log(f"  snapshot of v{rec_out.snapshot_version} in {rec_out.snapshot_s:.2f} s")
+                # A snapshotter process folds the log, as a deployment runs one: in this
+                # process its state would be one more full copy beside the trainer's.
+                got = _timed(["snapshot", *_address_args(address)])
+                rec_out.snapshot_s = got["seconds"]
+                rec_out.snapshot_version = got["version"]
+                rec_out.snapshot_peak_extra_bytes = got["peak_extra_bytes"]
+                cfg.log(f"  snapshot of v{rec_out.snapshot_version} in {rec_out.snapshot_s:.2f} s "
+                        f"(snapshotter process: {got['peak_extra_bytes'] / MB:.0f} MB peak)")
         if before_close is not None:
             before_close(rec, rec_out)
     return rec_out
@@ -286,6 +303,11 @@ def bytes_ratio_of(r: Recording) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- recovery
+def _address_args(address: RunAddress) -> list[str]:
+    """``benchmarks._timed``'s log, coordinator, run and snapshot arguments."""
+    return [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
+
+
 def _timed(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run ``benchmarks._timed`` in a fresh process (``env``: added to this one's);
     returns its JSON line."""
@@ -295,7 +317,8 @@ def _timed(args: list[str], env: dict[str, str] | None = None) -> dict[str, Any]
                          env={**os.environ, **env} if env else None)
     if out.returncode:
         raise RuntimeError(f"benchmarks._timed {args[0]} failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return got
 
 
 def _resident_bytes() -> int:
@@ -304,12 +327,12 @@ def _resident_bytes() -> int:
 
 
 def _give_back_freed_memory(cfg: Config) -> None:
-    """Return the heap memory this process freed to the kernel, so that the work timed
-    next meets the memory a fresh process would, not this one's leftovers: glibc kept
-    about 4 GB of the recording's freed staging buffers here (6.6 GB resident, 2.4 GB
-    after), and with them the floor's first process ran the machine down to 0.2 GB free
-    and evicted page cache before the replays were timed. Logs the resident size before
-    and after."""
+    """Return the heap memory this process freed to the kernel, so that the work that
+    comes next (the recorder, the recovery's processes) meets the memory a fresh process
+    would, not this one's leftovers: glibc keeps freed buffers of a few MB in its heap, and
+    with them the floor's first process once ran the machine down to 0.2 GB free and
+    evicted page cache before the replays were timed. Logs the resident size before and
+    after."""
     try:
         before = _resident_bytes()
         ctypes.CDLL(None).malloc_trim(0)
@@ -317,27 +340,26 @@ def _give_back_freed_memory(cfg: Config) -> None:
     except (OSError, AttributeError):  # no /proc, or not glibc
         return
     cfg.log(f"  this process: {before / MB:.0f} MB resident, {after / MB:.0f} MB after giving "
-            "back what the recording and the replay freed")
+            "back what it freed")
 
 
-def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> dict[str, Any]:
+def recovery(cfg: Config, address: RunAddress, r: Recording, step_s: float | None) -> dict[str, Any]:
     """Replay (1 and 2 workers) and ``torch.load``, each timed in a fresh process as after a
-    crash; the replayed bits are checked against the live state once, in this process."""
-    from replayer.replay import replay
-
-    state, report = replay(address, Target(), workers=2, share_torch_threads=True)
-    _check_bits(state, work)
-    del state
-    gc.collect()
-    cfg.log(f"  replayed state is bit-identical to the live state (v{report.version}: "
-            f"snapshot v{report.snapshot_version} + {report.tail_versions} versions)")
+    crash; the replayed bits are checked once, in another, against the checkpoint of the
+    live state (``r.last_checkpoint``). ``step_s``: the trainer's ``optimizer.step()``."""
+    if not r.last_checkpoint:
+        raise ValueError("recovery needs the checkpoint of the live state (Recording.last_checkpoint)")
     _give_back_freed_memory(cfg)
-    base = [address.log_url, address.coord_url, address.run_id, address.snapshots_url or ""]
+    base = _address_args(address)
+    check = _timed(["check", *base, r.last_checkpoint])
+    tail, snapshot_version = check["tail_versions"], check["snapshot_version"]
+    cfg.log(f"  replayed state is bit-identical to the live state (v{check['version']}: "
+            f"snapshot v{snapshot_version} + {tail} versions, {check['tensors']} tensors)")
     # The floor (``benchmarks.floor``): the tail's optimizer steps and the state's checks
     # alone, bare, in one fresh process; then (in the loop below, interleaved with the
     # replays) the snapshot's files alone read into fresh memory, each in a fresh process.
     repeats = max(5, cfg.repeats)
-    floor, floor_error = _floor_steps(base, repeats, report.tail_versions) if report.snapshot_version \
+    floor, floor_error = _floor_steps(base, repeats, tail, r.raw_state_bytes) if snapshot_version \
         else (None, "no snapshot")
     if floor:
         cfg.log(f"  floor: the tail's optimizer steps alone, 1 thread {floor['steps_1']:.2f} s, "
@@ -352,16 +374,21 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     # each Adam step on every core torch has, so "1 worker" is not "1 core".
     one_thread: list[float] = []
     loads: list[float] = []
+    # Each fresh process's peak resident memory above its own baseline, bytes.
+    peaks: dict[str, list[int]] = {"torch_load": [], "workers_1": [], "workers_2": []}
     # At least 5 repeats, torch.load interleaved with the replays: on this shared VM one
     # process can take 30% longer than the next, for minutes (a median of 2 is just their
     # mean, and loads timed in a block after the replays met another spell than they did).
     for _ in range(repeats):
         if r.last_checkpoint:
-            loads.append(_timed(["load", r.last_checkpoint])["seconds"])
+            got = _timed(["load", r.last_checkpoint])
+            loads.append(got["seconds"])
+            peaks["torch_load"].append(got["peak_extra_bytes"])
             cfg.log(f"  torch.load(weights_only=True): {loads[-1]:.2f} s")
         for workers in (1, 2):
             got = _timed(["replay", *base, str(workers), "latest"])
             times[workers].append(got["seconds"])
+            peaks[f"workers_{workers}"].append(got["peak_extra_bytes"])
             cfg.log(f"  replay, {workers} worker(s): {got['seconds']:.2f} s "
                     f"(snapshot v{got['snapshot_version']}, tail {got['tail_versions']})")
         one_thread.append(_timed(["replay", *base, "1", "latest"], env={"OMP_NUM_THREADS": "1"})["seconds"])
@@ -375,9 +402,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     # version costs, and how long a tail still meets the target, follow from it. Read as a
     # replay with a tail reads it (such a replay would otherwise map the files instead).
     snap_only: list[float] = []
-    if report.snapshot_version:
+    if snapshot_version:
         for _ in range(repeats):
-            got = _timed(["replay", *base, "2", f"version={report.snapshot_version}"],
+            got = _timed(["replay", *base, "2", f"version={snapshot_version}"],
                          env={"REWIND_SNAPSHOT_MAP": "0"})
             snap_only.append(got["seconds"])
         cfg.log(f"  replay to the snapshot's version (tail 0, files read), 2 workers: {med(snap_only):.2f} s")
@@ -385,19 +412,18 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
     bus_speedups = [bus() for _ in range(repeats)]
     del bus
     cfg.log(f"  memory copy, 2 threads vs 1: {med(bus_speedups):.2f}x")
-    adam = AdamScaling(steps=report.tail_versions or 10)
+    adam = AdamScaling(steps=tail or 10)
     adam_speedups = [adam() for _ in range(repeats)]
     del adam
     cfg.log(f"  tiled fused Adam alone, 2 threads vs 1: {med(adam_speedups):.2f}x")
     w1, w2, load = med(times[1]), med(times[2]), med(loads)
-    floor = floor or dict.fromkeys(("steps_1", "steps_2", "checks_1", "checks_2", "samples"))
+    floor = floor or dict.fromkeys(("steps_1", "steps_2", "checks_1", "checks_2", "samples",
+                                    "peak_extra_bytes"))
     floor_1 = _sum(med(reads[1]), floor["steps_1"], floor["checks_1"])
     floor_2 = _sum(med(reads[2]), floor["steps_2"], floor["checks_2"])
     unchecked_2 = _sum(med(reads[2]), floor["steps_2"])
     s0 = med(snap_only)
-    tail = report.tail_versions
     per_version = (w2 - s0) / tail if w2 is not None and s0 is not None and tail else None
-    step_s = med(work.optimizer_step_s[-20:])
     budget = None
     if per_version and load is not None and s0 is not None:
         allowed = RECOVERY_LIMIT * load
@@ -411,7 +437,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         "workers_1_torch_1_thread": med(one_thread),
         "speedup_2_vs_1_torch_1_thread": _ratio(med(one_thread), w2),
         "tail_versions": tail,
-        "snapshot_version": report.snapshot_version,
+        "snapshot_version": snapshot_version,
         "snapshot_write_s": r.snapshot_s,
         "snapshot_only_2_workers": s0,
         "ratio_snapshot_only_vs_torch_load": _ratio(s0, load),
@@ -450,6 +476,15 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
         # torch's fused Adam run tile by tile as the replay runs it, no Rewind code: the
         # ceiling of the replay's arithmetic on this machine.
         "adam_tiles_speedup_2_vs_1": med(adam_speedups),
+        # Peak resident memory above each fresh process's baseline (the largest of the
+        # repeats), bytes: the recoveries, torch.load, the snapshotter, and the floor's steps.
+        "peak_extra_bytes_workers_2": max(peaks["workers_2"], default=None),
+        "peak_extra_bytes_workers_1": max(peaks["workers_1"], default=None),
+        "peak_extra_bytes_torch_load": max(peaks["torch_load"], default=None),
+        "peak_extra_bytes_check": check["peak_extra_bytes"],
+        "peak_extra_bytes_snapshotter": r.snapshot_peak_extra_bytes,
+        "peak_extra_bytes_floor_steps": floor.get("peak_extra_bytes"),
+        "raw_state_bytes": r.raw_state_bytes,
         "fresh_process": True,
         "bit_exact": True,
         "repeats": repeats,
@@ -457,19 +492,9 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, work: Workload) -> 
                     "workers_1_torch_1_thread": one_thread,
                     "snapshot_only_2_workers": snap_only, "bus_speedup_2_vs_1": bus_speedups,
                     "adam_tiles_speedup_2_vs_1": adam_speedups, "floor_read_1": reads[1],
-                    "floor_read_2": reads[2], "floor_steps_and_checks": floor["samples"]},
+                    "floor_read_2": reads[2], "floor_steps_and_checks": floor["samples"],
+                    "peak_extra_bytes": peaks},
     }
-
-
-def _check_bits(state: Any, work: Workload) -> None:
-    """The replayed tensors equal the live state bit for bit (a benchmark that replays wrong
-    state measures nothing)."""
-    live = {n: t.detach().contiguous() for n, t in work.tensors().items()}
-    for shard in state.shards:
-        for name, t in shard.tensors.items():
-            mine = live[name].reshape(-1).view(torch.uint8).numpy()
-            if not (mine == t.bits).all():
-                raise AssertionError(f"replayed tensor {name} differs from the live state")
 
 
 # ---------------------------------------------------------------------------- kafka
@@ -485,7 +510,7 @@ def kafka_available() -> str | None:
 def kafka_produce(cfg: Config, record_bytes: int, total_bytes: int) -> dict[str, Any]:
     """Rewind's Kafka writer (one transaction, records spread over the shard partitions)
     against ``ProducerPerformance`` with the same record size and count, acks=all."""
-    from confluent_kafka.admin import AdminClient, NewTopic
+    from confluent_kafka.admin import AdminClient, NewTopic  # type: ignore[attr-defined]
 
     from eventlog.backends import open_log
 
@@ -533,15 +558,15 @@ def kafka_produce(cfg: Config, record_bytes: int, total_bytes: int) -> dict[str,
                             )[topic].result(30)
         topics.append(topic)
         time.sleep(1.0)
-        for key, txn in (("producer_performance", False), ("producer_performance_txn", True)):
+        for key, one_txn in (("producer_performance", False), ("producer_performance_txn", True)):
             pp = []
-            for rep in range(cfg.repeats + (0 if txn else 1)):
+            for rep in range(cfg.repeats + (0 if one_txn else 1)):
                 mb_s = _producer_performance(home, bootstrap, topic, n, record_bytes, limit,
-                                             transactional=txn)
-                if rep or txn:
+                                             transactional=one_txn)
+                if rep or one_txn:
                     pp.append(mb_s)
-                cfg.log(f"  ProducerPerformance{' (one transaction)' if txn else ''}: "
-                        f"{mb_s:.0f} MB/s{' (warm-up)' if not (rep or txn) else ''}")
+                cfg.log(f"  ProducerPerformance{' (one transaction)' if one_txn else ''}: "
+                        f"{mb_s:.0f} MB/s{' (warm-up)' if not (rep or one_txn) else ''}")
             out[key] = med(pp)
             out[f"samples_{key}"] = pp
         out["samples_rewind"] = rewind
@@ -619,7 +644,7 @@ def follower_sync(cfg: Config, address: RunAddress, work: Workload,
                   recorder: Recorder) -> dict[str, Any]:
     """A fresh ``Follower``'s first poll (a full sync: newest snapshot + tail, into its model),
     then one new version per poll (incremental), timed around ``poll()``."""
-    from replayer.follower import Follower  # type: ignore[import-not-found]
+    from replayer.follower import Follower
 
     shadow = Workload.build(work.params, dtype=work.dtype, seed=1).model
     full: list[float] = []
@@ -683,6 +708,23 @@ def run_all(cfg: Config) -> dict[str, Any]:
     return results
 
 
+def _kafka_recording(cfg: Config, work: Workload, root: Path, versions: int) -> dict[str, Any]:
+    """The same recording on Kafka (``cfg.redis`` or an embedded coordinator); its
+    throughput figures (``throughput_of``). The run's topics are deleted after."""
+    assert cfg.kafka
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    url = kafka_url(cfg.kafka)
+    coord = cfg.redis or f"sqlite://{root / 'kafka-coord.db'}"
+    cfg.log(f"recording (kafka {bootstrap_of(cfg.kafka)}, coordinator "
+            f"{'redis' if cfg.redis else 'embedded'}): v1 FULL + {versions} versions")
+    try:
+        kr = record(cfg, work, RunAddress(url, coord, run_id), versions=versions, snapshot_at=None,
+                    label="kafka")
+        return throughput_of(kr)
+    finally:
+        _delete_topics(cfg.kafka, run_topics(cfg.kafka, run_id))
+
+
 def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
     only = cfg.only
     meta = results.setdefault("meta", {})
@@ -690,6 +732,8 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
     emb: RunAddress | None = None
     rec: Recording | None = None
     versions = max(2, cfg.versions)
+    kafka_why = kafka_available() if cfg.kafka else None
+    kafka_tp: dict[str, Any] | None = None
     if only & (RECORDING | {"follower_sync_s"}) or (cfg.kafka and "commit_throughput_mb_s" in only):
         t0 = time.perf_counter()
         work = Workload.build(cfg.params)
@@ -713,6 +757,7 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
             cfg.log("baselines: torch.save (+fsync) and memcpy of the state, "
                     f"{min(versions, BASELINE_REPEATS)} times")
             baselines(cfg, work, root / "baseline.pt", versions, rec)
+            _give_back_freed_memory(cfg)  # the memcpy floor's copy of the state
         need_snapshot = bool(only & {"recovery_s", "follower_sync_s"})
         cfg.log(f"recording (embedded): v1 FULL + {versions} versions"
                 + (f", snapshot at v{1 + versions - tail}" if need_snapshot else ""))
@@ -728,10 +773,19 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         # The checkpoint torch.load reads: the newest version's state, written in this run.
         rec.last_checkpoint = str(root / "checkpoint.pt")
         save_checkpoint(work, rec.last_checkpoint, fsync=True)
+        if cfg.kafka and kafka_why is None and "commit_throughput_mb_s" in only:
+            kafka_tp = _kafka_recording(cfg, work, root, versions)
+        step_s = med(work.optimizer_step_s[-20:])
+        if "follower_sync_s" not in only:
+            # Nothing later needs the live state: freed before the recovery's processes
+            # start, so that they and this process do not hold it at once.
+            work = None
+            gc.collect()
         if "recovery_s" in only:
             cfg.log("recovery: snapshot + tail replay vs torch.load, each in a fresh process")
-            results["recovery_s"] = recovery(cfg, emb, rec, work)
+            results["recovery_s"] = recovery(cfg, emb, rec, step_s)
         if "follower_sync_s" in only:
+            assert work is not None
             why = follower_available()
             if why is not None:
                 results["follower_sync_s"] = {"skipped": why}
@@ -753,6 +807,7 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         if "commit_throughput_mb_s" in only:
             tp = throughput_of(rec)
             save = torch_save_fsync_mb_s(rec)
+            kafka = kafka_tp or {}
             results["commit_throughput_mb_s"] = {
                 "embedded": tp["mb_s"],
                 "embedded_median_version": tp["median_version_mb_s"],
@@ -760,7 +815,10 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                 "embedded_full_commit_s": tp["full_commit_s"],
                 "torch_save_fsync": save,
                 "ratio_embedded": _ratio(tp["mb_s"], save),
-                "kafka": None, "ratio_kafka": None,
+                "kafka": kafka.get("mb_s"),
+                "kafka_median_version": kafka.get("median_version_mb_s"),
+                "kafka_full_commit_s": kafka.get("full_commit_s"),
+                "ratio_kafka": _ratio(kafka.get("mb_s"), save),
                 "versions": tp["versions"],
                 "samples": {"embedded_durable_s": rec.durable, "raw_bytes": rec.raw,
                             "torch_save_fsync_s": rec.fsync_s},
@@ -791,37 +849,18 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
     if cfg.kafka:
-        why = kafka_available()
-        if why is not None:
-            results["kafka_produce_mb_s"] = {"skipped": why}
-        else:
-            if work is not None and "commit_throughput_mb_s" in only:
-                run_id = f"bench-{uuid.uuid4().hex[:8]}"
-                url = kafka_url(cfg.kafka)
-                coord = cfg.redis or f"sqlite://{root / 'kafka-coord.db'}"
-                kaddr = RunAddress(url, coord, run_id)
-                cfg.log(f"recording (kafka {bootstrap_of(cfg.kafka)}, coordinator "
-                        f"{'redis' if cfg.redis else 'embedded'}): v1 FULL + {versions} versions")
-                try:
-                    kr = record(cfg, work, kaddr, versions=versions, snapshot_at=None,
-                                label="kafka")
-                    tp = throughput_of(kr)
-                    out = results.setdefault("commit_throughput_mb_s", {})
-                    out.update(kafka=tp["mb_s"], kafka_median_version=tp["median_version_mb_s"],
-                               kafka_full_commit_s=tp["full_commit_s"])
-                    out["ratio_kafka"] = _ratio(tp["mb_s"], out.get("torch_save_fsync"))
-                finally:
-                    _delete_topics(cfg.kafka, run_topics(cfg.kafka, run_id))
-            if "kafka_produce_mb_s" in only:
-                size = 3 * 1024 * 1024
-                if rec is not None:
-                    enc = rec.deltas(rec.encoded)
-                    ev = rec.deltas(rec.events)
-                    if sum(ev):
-                        size = max(64 * 1024, int(sum(enc) / sum(ev)))
-                total = min(max(meta.get("raw_state_bytes", 0), 256 * 1024**2), 1024**3)
-                cfg.log(f"kafka produce: {size} B records, {total / MB:.0f} MB per repeat")
-                results["kafka_produce_mb_s"] = kafka_produce(cfg, size, total)
+        if kafka_why is not None:
+            results["kafka_produce_mb_s"] = {"skipped": kafka_why}
+        elif "kafka_produce_mb_s" in only:
+            size = 3 * 1024 * 1024
+            if rec is not None:
+                enc = rec.deltas(rec.encoded)
+                ev = rec.deltas(rec.events)
+                if sum(ev):
+                    size = max(64 * 1024, int(sum(enc) / sum(ev)))
+            total = min(max(meta.get("raw_state_bytes", 0), 256 * 1024**2), 1024**3)
+            cfg.log(f"kafka produce: {size} B records, {total / MB:.0f} MB per repeat")
+            results["kafka_produce_mb_s"] = kafka_produce(cfg, size, total)
     elif "kafka_produce_mb_s" in only:
         results["kafka_produce_mb_s"] = {"skipped": "no --kafka broker given"}
 
