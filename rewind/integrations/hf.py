@@ -1,0 +1,349 @@
+"""Hugging Face ``Trainer``: ``RewindCallback`` records every optimizer step of a run; the
+run resumes through the trainer's own ``train()`` and continues bit for bit, mid-epoch
+included.
+
+Use::
+
+    rewind = RewindCallback("my-run")
+    trainer = Trainer(model=model, args=args, train_dataset=dataset, callbacks=[rewind])
+    trainer.train(resume_from_checkpoint=rewind.checkpoint())
+
+``checkpoint()`` is ``None`` for a run with nothing recorded (training starts afresh).
+Otherwise it rebuilds the newest recorded version and writes a small directory in the form
+``train()`` resumes from (``trainer_state.json`` and the weights): the trainer then skips
+the batches the run already consumed, as its own resume does. When training begins, the
+callback loads the whole version into the trainer's objects and removes the directory.
+
+What a version holds (committed at ``on_step_end``, every ``every`` optimizer steps and at
+the last one):
+
+* the model and the optimizer state; the optimizer is the torch optimizer inside
+  accelerate's ``AcceleratedOptimizer``, whose step pre-hook sees the gradients after
+  clipping, so steps are recorded by the predictive codec;
+* the learning-rate scheduler;
+* this process's RNGs: torch (CPU and every CUDA device), numpy and ``random``;
+* the trainer's state (``global_step``, ``epoch``, counters, best metric; not
+  ``log_history``, which would make each commit grow with the run);
+* the data position: the epoch, the batches consumed in it, the state of every
+  ``torch.Generator`` the train dataloader and its samplers hold, and those generators and
+  the RNGs as the epoch began.
+
+Why the resume is exact. The trainer draws an epoch's batch order when the epoch begins
+(from the sampler's generator, or from the global RNG for a sampler without one). On a
+mid-epoch resume the callback puts back the RNG states the epoch began with before the
+trainer draws that order again and skips the consumed batches, then the RNG states of the
+commit just before the first resumed forward pass. No batch is replayed or skipped, and no
+RNG draw is made that the uninterrupted run did not make. Evaluation during training leaves
+the RNGs as it found them (the callback puts them back after each evaluation), so a
+resumed run, which does not repeat an evaluation, draws the same numbers.
+
+Limits: one process (``world_size`` 1); a map-style dataset; a dataset and collator that do
+not draw from the global RNGs (the dataloader fetches batches ahead of the step that uses
+them). The trainer's ``total_flos`` and ``log_history`` are not part of a version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from collections.abc import Mapping
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate.optimizer import AcceleratedOptimizer
+from safetensors.torch import save_file
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+from eventlog.backends import RunAddress
+from eventlog.capture import GlobalRng, Stateful, recorded_trees
+from eventlog.errors import ConfigError, RewindError, RunNotFoundError
+from eventlog.fold.engine import RebuiltState
+from eventlog.settings import Settings
+from replayer.replay import ReplayReport, replay
+from rewind.recorder import CommitResult, Recorder
+from rewind.snapshots import Snapshots, with_store
+from snapshotter.policies import Trigger
+
+#: The files ``Trainer.train(resume_from_checkpoint=...)`` reads the state and weights from.
+TRAINER_STATE_FILE = "trainer_state.json"
+WEIGHTS_FILE = "model.safetensors"
+#: The callback's own small states (beside the recorder's model, optimizer, scheduler, rng).
+_OWN_STATES = ("trainer", "data", "epoch_start")
+#: The ``TrainerState`` fields a restore loads: the run's progress.
+_PROGRESS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "best_metric",
+             "best_global_step", "best_model_checkpoint")
+#: Attributes that lead from a dataloader to its samplers and generators.
+_LOADER_LINKS = ("generator", "synchronized_generator", "sampler", "batch_sampler")
+
+
+def _generators(loader: object) -> dict[str, torch.Generator]:
+    """Every ``torch.Generator`` reachable from ``loader`` through its samplers, by path."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def walk(obj: object, path: str, depth: int) -> None:
+        if obj is None or id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Generator):
+            found[path] = obj
+            return
+        for link in _LOADER_LINKS:
+            walk(getattr(obj, link, None), f"{path}.{link}" if path else link, depth + 1)
+
+    walk(loader, "", 0)
+    return found
+
+
+def _generator_states(loader: object) -> dict[str, torch.Tensor]:
+    return {path: g.get_state() for path, g in _generators(loader).items()}
+
+
+def _load_generators(loader: object, states: Mapping[str, torch.Tensor]) -> None:
+    """Set the live generators recorded under the same path (a sampler that creates its
+    generator when it is first iterated, and seeds it then, has none yet: nothing to set)."""
+    for path, g in _generators(loader).items():
+        if path in states:
+            g.set_state(states[path])
+
+
+class _TrainerState:
+    """The trainer's ``TrainerState`` as a ``Stateful``: recorded whole but ``log_history``
+    (``checkpoint()`` writes it as ``trainer_state.json``); a restore loads only the
+    progress, not what the trainer sets from its arguments (``max_steps``, ...)."""
+
+    def __init__(self) -> None:
+        self.state: TrainerState | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.state is not None
+        return {f.name: getattr(self.state, f.name) for f in dataclasses.fields(self.state)
+                if f.name != "log_history"}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        assert self.state is not None
+        for name in _PROGRESS:
+            setattr(self.state, name, state[name])
+
+
+@dataclasses.dataclass
+class _Position:
+    """Where the run is in its data: the epoch (-1: none begun), the batches consumed in it
+    out of ``batches_in_epoch``, and the live state of the dataloader's generators."""
+
+    epoch: int = -1
+    batches: int = 0
+    batches_in_epoch: int = 0
+    loader: object = None
+
+    @property
+    def mid_epoch(self) -> bool:
+        return 0 < self.batches < self.batches_in_epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "batches": self.batches, "batches_in_epoch": self.batches_in_epoch,
+                "generators": _generator_states(self.loader)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
+        self.batches_in_epoch = int(state["batches_in_epoch"])
+        _load_generators(self.loader, state["generators"])
+
+
+@dataclasses.dataclass
+class _EpochStart:
+    """The global RNGs and the dataloader's generators as the current epoch began."""
+
+    rng: dict[str, Any] = dataclasses.field(default_factory=dict)
+    generators: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"rng": self.rng, "generators": self.generators}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.rng, self.generators = dict(state["rng"]), dict(state["generators"])
+
+
+class RewindCallback(TrainerCallback):
+    """Records a ``Trainer`` run with a ``Recorder`` and resumes it exactly (module docs).
+
+    ``run``: the run's address, or its id (backends from the environment, as ``Recorder``).
+    ``every``: commit every that many optimizer steps (and at the last). ``extra``: more
+    ``Stateful`` objects to record (their names must differ from ``model``, ``optimizer``,
+    ``scheduler``, ``sampler``, ``rng``, ``trainer``, ``data``, ``epoch_start``).
+    ``snapshots`` and ``settings`` are passed to the ``Recorder``.
+    """
+
+    def __init__(
+        self,
+        run: RunAddress | str,
+        *,
+        every: int = 1,
+        extra: Mapping[str, Stateful] | None = None,
+        snapshots: Snapshots | Trigger | None = None,
+        settings: Settings | None = None,
+    ) -> None:
+        if every < 1:
+            raise ConfigError(f"RewindCallback(every={every}): commit every 1 or more optimizer steps")
+        clash = sorted(set(extra or {}) & set(_OWN_STATES))
+        if clash:
+            raise ConfigError(f"RewindCallback(extra=...): state name {clash[0]!r} is the callback's own")
+        address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
+        self._snapshots = None if snapshots is None else Snapshots.of(snapshots)
+        self.address = address if self._snapshots is None else with_store(address, self._snapshots)
+        self._every = every
+        self._extra = dict(extra or {})
+        self._settings = settings
+        self._recorder: Recorder | None = None
+        self._trainer = _TrainerState()
+        self._position = _Position()
+        self._epoch_start = _EpochStart()
+        #: The newest version rebuilt by ``checkpoint()``, and the directory written from it.
+        self._rebuilt: tuple[RebuiltState, ReplayReport] | None = None
+        self._resume_dir: Path | None = None
+        #: A mid-epoch resume: the epoch's starting RNGs go back when it begins again, then
+        #: the commit's RNGs (these) before its first resumed step.
+        self._resume_epoch = False
+        self._commit_rng: dict[str, Any] | None = None
+        #: The RNGs at the newest step end: an evaluation puts them back when it is done.
+        self._mark: dict[str, Any] | None = None
+        self._last: Future[CommitResult] | None = None
+        self._last_step = -1
+
+    @property
+    def recorder(self) -> Recorder | None:
+        """The recorder while training runs (``None`` before ``train()`` and after it)."""
+        return self._recorder
+
+    @property
+    def last_commit(self) -> Future[CommitResult] | None:
+        """The newest commit's future (``None`` before the first)."""
+        return self._last
+
+    def checkpoint(self) -> str | None:
+        """The directory to pass as ``train(resume_from_checkpoint=...)``: ``None`` when the
+        run has recorded nothing yet. Rebuilds the newest version (the one training will
+        continue from) and writes its trainer state and weights there."""
+        try:
+            rebuilt, report = replay(self.address)
+        except RunNotFoundError:
+            return None
+        trees = recorded_trees(rebuilt, ["trainer", "model"])
+        self._remove_resume_dir()
+        path = Path(tempfile.mkdtemp(prefix="rewind-resume-"))
+        TrainerState(**{**trees["trainer"], "log_history": []}).save_to_json(str(path / TRAINER_STATE_FILE))
+        save_file({k: v.contiguous() for k, v in trees["model"].items()}, str(path / WEIGHTS_FILE),
+                  metadata={"format": "pt"})
+        self._rebuilt, self._resume_dir = (rebuilt, report), path
+        return str(path)
+
+    # ------------------------------------------------------------------ trainer events
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        if args.world_size > 1:
+            raise ConfigError(f"RewindCallback records one process; this run has {args.world_size}")
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        loader = kwargs.get("train_dataloader")
+        if not isinstance(model, torch.nn.Module) or optimizer is None or loader is None:
+            raise RewindError("RewindCallback.on_train_begin: the trainer passed no model, optimizer "
+                              "or train dataloader")
+        try:
+            batches_in_epoch = len(loader)
+        except TypeError:
+            raise ConfigError("RewindCallback needs a map-style train dataset (one with a length): "
+                              "an iterable dataset's position cannot be restored") from None
+        if isinstance(optimizer, AcceleratedOptimizer):
+            optimizer = optimizer.optimizer  # the torch optimizer: its step is the one replayed
+        self._trainer.state = state
+        self._position = _Position(batches_in_epoch=batches_in_epoch, loader=loader)
+        self._epoch_start = _EpochStart()
+        rebuilt, self._rebuilt = self._rebuilt, None
+        begins_at = state.global_step  # where train() resumes (the restore sets the recorded one)
+        self._recorder = Recorder(
+            self.address, model=model, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler"),
+            extra={"trainer": self._trainer, "data": self._position, "epoch_start": self._epoch_start,
+                   **self._extra},
+            snapshots=self._snapshots, settings=self._settings,
+            restorer=None if rebuilt is None else (lambda _log: rebuilt),
+        )
+        result = self._recorder.restore()
+        self._remove_resume_dir()
+        if (result.step or 0) != begins_at:
+            self._close()
+            if result.fresh:
+                raise RewindError(f"run {self.address.run_id!r} has recorded nothing, but train() resumes "
+                                  f"at step {begins_at}: a Rewind run starts at step 0")
+            raise RewindError(f"run {self.address.run_id!r} is at step {result.step}, but train() begins at "
+                              f"step {begins_at}: resume with "
+                              "trainer.train(resume_from_checkpoint=callback.checkpoint())")
+        self._last_step = begins_at
+        self._resume_epoch = self._position.mid_epoch
+        if self._resume_epoch and args.ignore_data_skip:
+            self._close()
+            raise ConfigError("RewindCallback: ignore_data_skip=True would train the batches of the "
+                              f"resumed epoch again (run {self.address.run_id!r} stopped mid-epoch)")
+        self._mark = GlobalRng().state_dict()
+        self._commit_rng = self._mark if self._resume_epoch else None
+
+    def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        pos = self._position
+        if self._resume_epoch:
+            # The epoch the run was killed in begins again: the same order is drawn from the
+            # same states, and the trainer skips the batches consumed.
+            self._resume_epoch = False
+            GlobalRng().load_state_dict(self._epoch_start.rng)
+            _load_generators(pos.loader, self._epoch_start.generators)
+            return
+        pos.epoch, pos.batches = pos.epoch + 1, 0
+        self._epoch_start.rng = GlobalRng().state_dict()
+        self._epoch_start.generators = _generator_states(pos.loader)
+
+    def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                      **kwargs: Any) -> None:
+        if self._commit_rng is not None:
+            GlobalRng().load_state_dict(self._commit_rng)
+            self._commit_rng = None
+
+    def on_substep_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                       **kwargs: Any) -> None:
+        self._position.batches += 1
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._position.batches += 1
+        if state.global_step % self._every == 0 or state.global_step >= state.max_steps:
+            self._commit(state.global_step)
+        self._mark = GlobalRng().state_dict()
+
+    def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        if self._recorder is not None and self._mark is not None:
+            GlobalRng().load_state_dict(self._mark)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                     **kwargs: Any) -> None:
+        if self._recorder is None:
+            return
+        if state.global_step != self._last_step:
+            self._commit(state.global_step)
+        self._close()
+
+    # ------------------------------------------------------------------ helpers
+    def _commit(self, step: int) -> None:
+        assert self._recorder is not None
+        self._last = self._recorder.commit(step)
+        self._last_step = step
+
+    def _close(self) -> None:
+        if self._recorder is not None:
+            recorder, self._recorder = self._recorder, None
+            recorder.close()
+
+    def _remove_resume_dir(self) -> None:
+        if self._resume_dir is not None:
+            shutil.rmtree(self._resume_dir, ignore_errors=True)
+            self._resume_dir = None

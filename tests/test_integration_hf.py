@@ -1,0 +1,282 @@
+"""Hugging Face ``Trainer`` with ``rewind.integrations.hf.RewindCallback``: a run SIGKILLed
+at seeded random points (mid-epoch, at an epoch's end, between the micro-batches of a
+gradient accumulation) and resumed through ``train()`` ends bit-equal to the same run never
+interrupted (parameters, optimizer, scheduler, RNGs), and logs the same loss at every step
+after each kill, with evaluations during training and with either sampler the trainer
+builds. Every step is recorded by the predictive codec with an exact prediction, and a
+``train()`` that forgets to resume a recorded run is refused."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+#: One process imports torch and transformers once, then forks one child per run segment
+#: (a child is a whole process: a SIGKILL leaves its recorder's commits where they were).
+#: Each child appends its events to its own JSON-lines file: where training began, each
+#: step's loss and gradient norm (exact, hex), and, when it finishes, the commits' codecs
+#: and a digest of every tensor and RNG of the final state.
+ZYGOTE = r'''
+import hashlib, json, os, random, signal, sys, time, traceback
+started = time.monotonic()
+import numpy as np
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import PrinterCallback
+from transformers.utils import logging as hf_logging
+from rewind import RewindError, RunAddress
+from rewind.integrations.hf import RewindCallback
+
+cfg = json.loads(sys.argv[1])
+hf_logging.set_verbosity_error()
+GPT2LMHeadModel.__name__  # imports the model's module here, once, not in every child
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.randint(0, 64, (24, 8), generator=torch.Generator().manual_seed(7))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def digest(tree, path, out):
+    if isinstance(tree, torch.Tensor):
+        t = tree.detach().cpu().contiguous()
+        out[path] = f"{t.dtype}{list(t.shape)}:" + hashlib.sha256(t.numpy().tobytes()).hexdigest()
+    elif isinstance(tree, np.ndarray):
+        out[path] = hashlib.sha256(tree.tobytes()).hexdigest()
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            digest(v, f"{path}/{k}", out)
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            digest(v, f"{path}/{i}", out)
+    else:
+        out[path] = repr(tree)
+
+
+class Observer(TrainerCallback):
+    def __init__(self, out, kill, rewind):
+        self.out, self.kill, self.rewind, self.commits = out, kill, rewind, []
+
+    def write(self, **record):
+        with open(self.out, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def at(self, hook, state):
+        if self.kill == [hook, state.global_step]:
+            if hook == "step_end_durable":
+                self.rewind.last_commit.result()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def on_train_begin(self, args, state, control, **kw):
+        self.write(event="begin", step=state.global_step)
+
+    def on_step_begin(self, args, state, control, **kw):
+        self.at("step_begin", state)
+
+    def on_substep_end(self, args, state, control, **kw):
+        self.at("substep_end", state)
+
+    def on_step_end(self, args, state, control, **kw):
+        self.commits.append(self.rewind.last_commit)
+        self.at("step_end", state)
+        self.at("step_end_durable", state)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if "loss" in logs:
+            self.write(event="loss", step=state.global_step, loss=float(logs["loss"]).hex(),
+                       grad_norm=float(logs["grad_norm"]).hex())
+
+
+def segment(case, run, kill, out):
+    torch.set_num_threads(1)  # the streams run side by side
+    torch.manual_seed(0)  # the model's initial weights; dropout (0.1) draws from the RNGs
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2,
+                                       bos_token_id=0, eos_token_id=0,
+                                       tie_word_embeddings=False))
+    args = TrainingArguments(
+        output_dir=os.path.join(cfg["tmp"], "out"), per_device_train_batch_size=2,
+        gradient_accumulation_steps=case["accumulate"], num_train_epochs=case["epochs"],
+        learning_rate=3e-3, warmup_steps=3, max_grad_norm=0.5, logging_steps=1, save_strategy="no",
+        report_to=[], use_cpu=True, seed=5, disable_tqdm=True,
+        accelerator_config={"use_seedable_sampler": case["seedable_sampler"]},
+        eval_strategy="steps" if case["eval_steps"] else "no", eval_steps=case["eval_steps"] or None)
+    db = f"sqlite://{os.path.join(cfg['tmp'], run + '.db')}"
+    rewind = RewindCallback(RunAddress(db, db, run))
+    observer = Observer(out, kill, rewind)
+    trainer = Trainer(model=model, args=args, train_dataset=Tokens(), eval_dataset=Tokens(),
+                      callbacks=[rewind, observer])
+    trainer.remove_callback(PrinterCallback)
+    try:
+        trainer.train(resume_from_checkpoint=None if kill == "no_resume" else rewind.checkpoint())
+    except RewindError as exc:
+        observer.write(event="error", message=str(exc))
+        return
+    final = {}
+    digest(trainer.model.state_dict(), "model", final)
+    digest(trainer.optimizer.state_dict(), "optimizer", final)
+    digest(trainer.lr_scheduler.state_dict(), "scheduler", final)
+    digest({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+           "rng", final)
+    sampler = trainer.callback_handler.train_dataloader.batch_sampler.sampler
+    if sampler.generator is not None:
+        digest(sampler.generator.get_state(), "sampler", final)
+    commits = [f.result() for f in observer.commits]
+    observer.write(event="final", digests=final,
+                   commits=[[c.step, c.encoding, c.residual_bytes] for c in commits])
+
+
+def spawn(fn):
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            fn()
+            code = 0
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
+def wait(pid):
+    _, status = os.waitpid(pid, 0)
+    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+
+
+def stream(name, segments):
+    """Run segments one after the other, each in its own child; their exit codes to a file."""
+    exits = []
+    for args in segments:
+        began = time.monotonic()
+        exits.append(wait(spawn(lambda: segment(*args))))
+        print(f"{name}: {time.monotonic() - began:.1f}s", file=sys.stderr, flush=True)
+    with open(os.path.join(cfg["tmp"], f"{name}.exits"), "w") as f:
+        json.dump(exits, f)
+
+
+print(f"imports: {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
+# Four streams at once, each with its own log: every case's reference, and its chain of
+# segments (each resumes the one killed before it).
+streams = {}
+for name, case in cfg["cases"].items():
+    out = lambda segment_name, name=name: os.path.join(cfg["tmp"], f"{name}-{segment_name}.jsonl")
+    streams[f"{name}-reference"] = [(case, f"{name}-reference", None, out("reference"))]
+    streams[name] = [(case, name, kill, out(str(i))) for i, kill in enumerate(case["kills"] + [None])]
+    # Then train() on the finished run, forgetting resume_from_checkpoint: refused.
+    streams[name].append((case, name, "no_resume", out("no_resume")))
+pids = [spawn(lambda: stream(name, segments)) for name, segments in streams.items()]
+assert all(wait(pid) == 0 for pid in pids)
+exits = {}
+for name in cfg["cases"]:
+    exits[name] = [code for part in (f"{name}-reference", name)
+                   for code in json.load(open(os.path.join(cfg["tmp"], f"{part}.exits")))]
+print("EXITS " + json.dumps(exits), flush=True)
+'''
+
+
+def _cases() -> dict[str, dict[str, Any]]:
+    """Seeded kill points. A commit is asynchronous (at most two are in flight), so a kill
+    at step ``k`` resumes from step ``k-2`` to ``k``; mid-epoch kills are placed where that
+    whole range is mid-epoch. One kill waits for its commit to be durable, at an epoch's end."""
+    rng = random.Random(24)
+    return {
+        # 12 optimizer steps an epoch, 24 in all; an evaluation every 4 (it draws from the
+        # global RNG as its dataloader starts).
+        "plain": {"accumulate": 1, "epochs": 2, "steps_per_epoch": 12, "seedable_sampler": True,
+                  "eval_steps": 4, "kills": [
+            ["step_end", rng.randint(4, 10)], ["step_end_durable", 12],
+            ["step_begin", rng.randint(16, 22)]]},
+        # 2 micro-batches a step: 6 optimizer steps an epoch, 12 in all. A plain
+        # RandomSampler: each epoch's order is drawn from the global RNG as it begins.
+        "accumulate": {"accumulate": 2, "epochs": 2, "steps_per_epoch": 6, "seedable_sampler": False,
+                       "eval_steps": 0, "kills": [
+            ["substep_end", rng.choice([4, 5])], ["step_end", rng.choice([10, 11])]]},
+    }
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_resumes_bit_exactly_through_train(tmp_path: Path) -> None:
+    cases = _cases()
+    cfg = {"tmp": str(tmp_path), "cases": cases}
+    done = subprocess.run([sys.executable, "-c", ZYGOTE, json.dumps(cfg)], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    exits = json.loads(next(ln for ln in done.stdout.splitlines() if ln.startswith("EXITS "))[6:])
+    resumed_at = {}
+    for name, case in cases.items():
+        assert exits[name] == [0] + [-signal.SIGKILL] * len(case["kills"]) + [0, 0], done.stderr[-3000:]
+        resumed_at[name] = _check(tmp_path, name, case)
+    mid_epoch = [(name, step) for name, case in cases.items() for step in resumed_at[name]
+                 if step % case["steps_per_epoch"] != 0]
+    assert len(mid_epoch) >= 3, resumed_at
+
+
+def _check(tmp_path: Path, name: str, case: dict[str, Any]) -> list[int]:
+    """Check one case's segments against its reference; returns the steps they resumed at."""
+    kills = case["kills"]
+    reference = _events(tmp_path / f"{name}-reference.jsonl")
+    losses = {e["step"]: (e["loss"], e["grad_norm"]) for e in reference if e["event"] == "loss"}
+    total = case["epochs"] * case["steps_per_epoch"]
+    assert sorted(losses) == list(range(1, total + 1))
+    # Clipping is at work (the norm logged is the one before clipping to 0.5), and the
+    # recorder's step hook sees the clipped gradients: its replay of each step is exact.
+    assert any(float.fromhex(norm) > 0.5 for _, norm in losses.values())
+    ref_final = reference[-1]
+    assert [c[0] for c in ref_final["commits"]] == list(range(1, total + 1))
+    assert all(enc.startswith("predictive/AdamW") and residual == 0
+               for _, enc, residual in ref_final["commits"][1:]), ref_final["commits"]
+
+    began: list[int] = []
+    logged: set[int] = set()
+    for i in range(len(kills) + 1):
+        events = _events(tmp_path / f"{name}-{i}.jsonl")
+        assert events[0]["event"] == "begin"
+        start = events[0]["step"]
+        if i == 0:
+            assert start == 0
+        else:
+            hook, killed_at = kills[i - 1]
+            assert began[-1] < start <= killed_at, (name, i, began, start)
+            if hook == "step_end_durable":
+                assert start == killed_at
+        began.append(start)
+        # Every step logged after the resume point is the reference's, bit for bit.
+        for e in events:
+            if e["event"] == "loss":
+                assert e["step"] > start
+                assert (e["loss"], e["grad_norm"]) == losses[e["step"]], (name, i, e["step"])
+                logged.add(e["step"])
+    # A step's loss is logged after its step end: a kill there loses it if the run resumed
+    # after that step.
+    assert set(losses) - logged <= {step for hook, step in kills if hook.startswith("step_end")}
+    final = events[-1]
+    assert final["event"] == "final"
+    differ = sorted(k for k in ref_final["digests"].keys() | final["digests"].keys()
+                    if ref_final["digests"].get(k) != final["digests"].get(k))
+    assert not differ, (name, differ[:10])
+    assert all(enc.startswith("predictive/AdamW") and residual == 0 for _, enc, residual in final["commits"])
+    [refused] = [e for e in _events(tmp_path / f"{name}-no_resume.jsonl") if e["event"] != "begin"]
+    assert refused == {"event": "error", "message": (
+        f"run {name!r} is at step {total}, but train() begins at step 0: resume with "
+        "trainer.train(resume_from_checkpoint=callback.checkpoint())")}
+    return began[1:]
