@@ -26,7 +26,7 @@ import torch
 from eventlog import RunAddress
 from replayer.bisect import bisect
 from replayer.replay import LATEST, replay
-from rewind import every_versions
+from rewind import Snapshots, every_versions, keep_all
 from rewind.recorder import Recorder
 
 
@@ -44,8 +44,9 @@ def record(root: Path, run: str, versions: int, width: int, snapshot_every: int,
     assert isinstance(first, torch.nn.Linear)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     t0 = time.perf_counter()
-    with Recorder(address, model, opt,
-                  snapshots=every_versions(snapshot_every) if snapshot_every else None) as rec:
+    # Every snapshot is kept: bisect starts its replays from the newest one before the divergence.
+    snapshots = Snapshots(every_versions(snapshot_every), keep=keep_all()) if snapshot_every else None
+    with Recorder(address, model, opt, snapshots=snapshots) as rec:
         for step in range(1, versions + 1):
             opt.zero_grad()
             model(torch.randn(8, width)).pow(2).mean().backward()

@@ -156,9 +156,52 @@ class OptimizerStep:
     predicted_digests: tuple[bytes, ...] = field(repr=False)
 
 
+@dataclass(frozen=True)
+class EnvironmentFingerprint:
+    """v4: the environment recording the run, at its start (``reason`` "start") and at each
+    resume ("resume"): the versions and settings that decide which bits a step computes."""
+
+    START: ClassVar[str] = "start"
+    RESUME: ClassVar[str] = "resume"
+
+    reason: str
+    torch_version: str
+    cuda_version: str | None
+    cudnn_version: str | None
+    deterministic_algorithms: bool
+    cublas_workspace_config: str | None
+    cudnn_benchmark: bool
+    cudnn_deterministic: bool
+    matmul_precision: str
+    num_threads: int
+    hostname: str
+    world_size: int
+    python_version: str
+
+    def differences(self, other: EnvironmentFingerprint) -> dict[str, tuple[Any, Any]]:
+        """The settings (not the reason) that differ: ``{field: (self's, other's)}``."""
+        return {f.name: (getattr(self, f.name), getattr(other, f.name))
+                for f in dataclasses.fields(self)
+                if f.name != "reason" and getattr(self, f.name) != getattr(other, f.name)}
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """v4: a ``restore()`` loaded ``restored_version`` and checked its state digest against
+    the version's seal; where it started (a snapshot, or the log's start) and the tail."""
+
+    restored_version: int
+    restored_step: int
+    state_digest: bytes
+    snapshot_id: str | None
+    snapshot_version: int
+    tail_versions: int
+    applied: int
+
+
 SmallState = SchedulerStep | RngAdvance | SamplerCursor | CustomState
 Body = (RunStarted | TensorDelta | CommitSealed | SchedulerStep | RngAdvance | SamplerCursor | Metrics
-        | SnapshotBegin | SnapshotEnd | CustomState | OptimizerStep)
+        | SnapshotBegin | SnapshotEnd | CustomState | OptimizerStep | EnvironmentFingerprint | Resumed)
 
 BODY_TYPES: dict[str, type[Any]] = {
     f"rewind.{cls.__name__}": cls
@@ -174,6 +217,8 @@ BODY_TYPES: dict[str, type[Any]] = {
         SnapshotEnd,
         CustomState,
         OptimizerStep,
+        EnvironmentFingerprint,
+        Resumed,
     )
 }
 SMALL_STATE_TYPES = (SchedulerStep, RngAdvance, SamplerCursor, CustomState)

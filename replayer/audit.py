@@ -3,13 +3,14 @@ and a timeline plot."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eventlog import RunAddress, Target
+from eventlog.events import Envelope, EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import ControlIndex, index_control
 from replayer.replay import replay, tensors_of
 
@@ -30,10 +31,13 @@ class HistoryRow:
     encoding: str = ""
     #: A version's encoded size as a fraction of its raw size, else ``None``.
     of_raw: float | None = None
+    #: A resume whose environment fingerprint differs from the run's start: each setting
+    #: that differs, ``{field: [at the start, at this resume]}``.
+    environment: dict[str, list[Any]] = field(default_factory=dict)
 
 
 def history(address: RunAddress) -> tuple[ControlIndex, list[HistoryRow]]:
-    """Every sealed version, snapshot marker and recovery of the run, in log order."""
+    """Every sealed version, snapshot marker, recovery and resume of the run, in log order."""
     with address.open_log() as log:
         idx = index_control(log)
     rows: list[tuple[int, HistoryRow]] = []
@@ -53,8 +57,56 @@ def history(address: RunAddress) -> tuple[ControlIndex, list[HistoryRow]]:
     for offset, env in idx.markers:
         kind = "snapshot-begin" if env.kind == "SnapshotBegin" else "snapshot-end"
         rows.append((offset, HistoryRow(kind, env.version, env.step, env.gsn, env.time_ms,
-                                        env.writer, env.body.snapshot_id, {})))  # type: ignore[union-attr]
+                                        env.writer, env.body.snapshot_id, {})))  # type: ignore[union-attr, arg-type]
+    rows += resume_rows(idx)
     return idx, [r for _, r in sorted(rows, key=lambda r: r[0])]
+
+
+def start_fingerprint(idx: ControlIndex) -> EnvironmentFingerprint | None:
+    """The environment the run started in (``None``: a log older than schema v4)."""
+    for _, env in idx.environment:
+        if isinstance(env.body, EnvironmentFingerprint) and env.body.reason == EnvironmentFingerprint.START:
+            return env.body
+    return None
+
+
+def fingerprint_before(idx: ControlIndex, offset: int) -> EnvironmentFingerprint | None:
+    """The newest environment fingerprint logged before control ``offset``."""
+    found = None
+    for at, env in idx.environment:
+        if at < offset and isinstance(env.body, EnvironmentFingerprint):
+            found = env.body
+    return found
+
+
+def resume_rows(idx: ControlIndex) -> list[tuple[int, HistoryRow]]:
+    """A history row per ``Resumed`` event, marked where the environment differs from the
+    run's start."""
+    start = start_fingerprint(idx)
+    rows = []
+    for offset, env in idx.environment:
+        if not isinstance(env.body, Resumed):
+            continue
+        now = fingerprint_before(idx, offset)
+        changed = {} if start is None or now is None else start.differences(now)
+        detail = resume_text(env)
+        if changed:
+            detail += "; ENVIRONMENT DIFFERS from the run's start: " + ", ".join(
+                f"{k} {a} -> {b}" for k, (a, b) in changed.items())
+        rows.append((offset, HistoryRow(
+            "resume", env.body.restored_version, env.body.restored_step, env.gsn, env.time_ms,
+            env.writer, detail, {}, environment={k: list(v) for k, v in changed.items()})))
+    return rows
+
+
+def resume_text(env: Envelope) -> str:
+    """What a ``Resumed`` event says, in words."""
+    body = env.body
+    assert isinstance(body, Resumed)
+    source = ("the start of the log" if body.snapshot_id is None
+              else f"snapshot {body.snapshot_id} (version {body.snapshot_version})")
+    return (f"restored version {body.restored_version} (step {body.restored_step}) from {source} + "
+            f"{body.tail_versions} versions of log tail, state digest {body.state_digest.hex()}")
 
 
 def history_json(rows: list[HistoryRow]) -> list[dict[str, Any]]:

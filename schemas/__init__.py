@@ -16,7 +16,7 @@ from typing import Any
 import fastavro.schema
 
 #: The schema version new events are written with.
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: Files in dependency order: a type is defined before any type that names it.
 _FILES = (
@@ -32,6 +32,8 @@ _FILES = (
     "SnapshotEnd",
     "CustomState",
     "OptimizerStep",  # v3
+    "EnvironmentFingerprint",  # v4
+    "Resumed",  # v4
     "Envelope",
 )
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from eventlog import RewindError, RunAddress
 from eventlog.errors import CorruptStoreError, DigestMismatchError, IntegrityError
-from eventlog.events import Envelope, OptimizerStep, RunStarted
+from eventlog.events import Envelope, OptimizerStep, Resumed, RunStarted
 from eventlog.fold.apply import APPLIED, ShardState
 from eventlog.fold.engine import (
     ControlIndex,
@@ -148,7 +148,33 @@ def verify_run(address: RunAddress, *, workers: int = 2, deep: bool = False) -> 
         store = run_store(address.snapshots_url, idx, log.run_id)
         valid = _check_snapshots(report, store, log, idx, workers)
         _check_log(report, log, idx, _Starts(store, log, idx, valid, workers), workers, deep)
+        _check_resumes(report, log, idx)
     return report
+
+
+def _check_resumes(report: VerifyReport, log: EventLog, idx: ControlIndex) -> None:
+    """Every ``Resumed`` event (schema v4): the state digest it restored and checked must be
+    the seal's of the version it names."""
+    for offset, env in idx.environment:
+        body = env.body
+        if not isinstance(body, Resumed):
+            continue
+        subject = f"resume at control offset {offset} (version {body.restored_version})"
+        info = idx.seals.get(body.restored_version)
+        source = ("the start of the log" if body.snapshot_id is None
+                  else f"snapshot {body.snapshot_id} (version {body.snapshot_version})")
+        if info is None:
+            report.findings.append(Finding(subject, FAIL, f"by {env.writer}: version "
+                                           f"{body.restored_version} has no seal in the log"))
+        elif info.seal.state_digest != body.state_digest:
+            report.findings.append(Finding(
+                subject, FAIL, f"by {env.writer}: restored state digest {body.state_digest.hex()}, but "
+                f"the seal of version {body.restored_version} records {info.seal.state_digest.hex()} "
+                f"(in {log.record_file(CONTROL, offset)})"))
+        else:
+            report.findings.append(Finding(
+                subject, OK, f"by {env.writer}: from {source} + {body.tail_versions} versions of log "
+                f"tail; state digest {body.state_digest.hex()} equals the seal's"))
 
 
 def _control_damage(log: EventLog, exc: RewindError, report: VerifyReport) -> bool:

@@ -81,6 +81,8 @@ class ControlIndex:
     seals: dict[int, SealInfo] = field(default_factory=dict)
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     markers: list[tuple[int, Envelope]] = field(default_factory=list)
+    #: v4: environment fingerprints and resume proofs, ``(offset, event)`` in log order.
+    environment: list[tuple[int, Envelope]] = field(default_factory=list)
     start_offset: int = 0
     end_offset: int = 0
 
@@ -169,6 +171,8 @@ def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlInde
             idx.metrics.setdefault(env.version, dict(body.values))
         elif env.kind in ("SnapshotBegin", "SnapshotEnd"):
             idx.markers.append((offset, env))
+        elif env.kind in ("EnvironmentFingerprint", "Resumed"):
+            idx.environment.append((offset, env))
     if not idx.run_started and idx.start_offset == 0 and gt is None:
         if seen == 0:  # nothing committed (aborted transactions may still use offsets)
             raise RunNotFoundError(f"run {log.run_id!r} has no events in {log.url}")

@@ -1,16 +1,17 @@
 """The ``rewind`` command line: demo, recovery, time travel and audit.
 
 Every command that reads a run takes the same address options: ``--run-dir DIR`` (an
-embedded run, as the demo writes it) or ``--log URL --coord URL --run ID``. Commands that
-only read (replay, recover, history, export, diff, plot, followers, verify) create nothing:
+embedded run, as the demo writes it) or ``--log URL --coord URL --run ID``; ``bisect``
+takes two runs, each ``DIR``, ``DIR#RUN`` or ``LOG_URL#RUN``. Commands that only read
+(replay, recover, history, export, diff, bisect, plot, followers, verify) create nothing:
 a log or snapshot store that does not exist is an error, not a new empty one.
 
 Exit status, for every command: 0 success. 1 the command ran and its check failed
 (``verify`` found damage, ``demo`` was not bit-exact, ``diff --exit-code`` found a
-difference). 2 a usage error (unknown command or option, a missing or bad value) or a
-Rewind error (no such run, damaged data, an unreachable server): one line on stderr,
-``error: <kind>: <what and where>``, no traceback. 130 interrupted (Ctrl-C). Anything
-else is a bug.
+difference, ``bisect`` found two runs that diverge). 2 a usage error (unknown command or
+option, a missing or bad value) or a Rewind error (no such run, damaged data, an
+unreachable server): one line on stderr, ``error: <kind>: <what and where>``, no
+traceback. 130 interrupted (Ctrl-C). Anything else is a bug.
 
 An unreachable Kafka broker or Redis server fails within 5 seconds of the first contact.
 
@@ -20,8 +21,12 @@ stderr. The other keys, per command: demo: ``bit_exact killed_at recovered_versi
 recovered_step final_digest_recovered final_digest_reference``. replay: ``report`` (the
 replay report). recover: ``report files``. export: ``report format files``. history:
 ``run rows`` (each: ``kind version step gsn time_ms writer detail metrics encoding
-of_raw``). diff: ``from to differs tensors`` (each: ``name dtype shape changed l2
-bit_equal``; ``l2`` is null for tensors that cannot be compared). plot: ``run file``.
+of_raw environment``; kind: version, recovery, resume, snapshot-begin, snapshot-end).
+diff: ``from to differs tensors`` (each: ``name dtype shape changed l2
+bit_equal``; ``l2`` is null for tensors that cannot be compared). bisect: ``status``
+(identical, diverged, differ-from-start; ``ok`` is true only for identical), ``step``,
+``version_a version_b``, ``previous_step``, ``shards tensors small_states optimizer_step
+hyperparameters environment layout notes replayed seconds``. plot: ``run file``.
 followers: ``run followers forgotten``. snapshot: ``run snapshot`` (null when nothing was
 new). snapshotter: ``run written``. verify: ``run findings`` (each: ``subject status
 detail``), plus what else the patrol reports.
@@ -47,6 +52,7 @@ import typer
 from eventlog import RewindError
 from rewind.allocator import tune_for_replay
 from rewind.cli.commands_audit import diff, followers, history, history_lines, plot
+from rewind.cli.commands_bisect import bisect_cmd
 from rewind.cli.commands_demo import demo
 from rewind.cli.commands_recovery import export, recover, replay_cmd
 from rewind.cli.commands_snapshots import snapshot, snapshotter_cmd, verify
@@ -62,6 +68,7 @@ __all__ = [
 app = typer.Typer(add_completion=False, help=help_text(__doc__ or ""), pretty_exceptions_enable=False)
 _COMMANDS: list[tuple[str, Callable[..., int]]] = [  # in the order of --help
     ("replay", replay_cmd), ("recover", recover), ("export", export), ("history", history), ("diff", diff),
+    ("bisect", bisect_cmd),
     ("plot", plot), ("followers", followers), ("snapshot", snapshot), ("snapshotter", snapshotter_cmd),
     ("verify", verify), ("demo", demo),
 ]

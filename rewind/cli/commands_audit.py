@@ -42,7 +42,7 @@ def history_lines(run_id: str, rows: Sequence[HistoryRow]) -> list[str]:
     and recoveries as lines of their own; each distinct encoding once, as a numbered note."""
     notes: dict[str, int] = {}
     cells: list[tuple[str, ...]] = []
-    counts = {"version": 0, "snapshot-end": 0, "recovery": 0}
+    counts = {"version": 0, "snapshot-end": 0, "recovery": 0, "resume": 0}
     for r in rows:
         counts[r.kind] = counts.get(r.kind, 0) + 1
         when = time.strftime("%H:%M:%S", time.localtime(r.time_ms / 1000))
@@ -54,12 +54,16 @@ def history_lines(run_id: str, rows: Sequence[HistoryRow]) -> list[str]:
             cells.append((*head, f"{codec_label(r.encoding)} [{note}]", ratio, metrics))
         elif r.kind == "recovery":
             cells.append((*head, f"recovery: {r.detail}"))
+        elif r.kind == "resume":
+            cells.append((*head, f"resume: {r.detail}"))
         else:
             verb = "begun" if r.kind == "snapshot-begin" else "published"
             cells.append((*head, f"snapshot {r.detail} {verb} by {r.writer}"))
     title = (f"history of {run_id}: {count(counts['version'], 'version')}, "
              f"{count(counts['snapshot-end'], 'snapshot')}, "
-             f"{count(counts['recovery'], 'recovery', 'recoveries')} (--json for every field)")
+             f"{count(counts['recovery'], 'recovery', 'recoveries')}"
+             + (f", {count(counts['resume'], 'resume')}" if counts["resume"] else "")
+             + " (--json for every field)")
     lines = [title, *table_lines(("version", "step", "time", "codec", "of raw", "metrics"), cells,
                                  flex=5, right=(0, 1, 4))]
     add_notes(lines, notes)

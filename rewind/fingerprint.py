@@ -1,0 +1,78 @@
+"""What a recorder logs about its environment and its resumes (schema v4).
+
+``environment()`` reads the settings that decide which bits a training step computes:
+library versions, determinism flags, threads, host, world size. A recorder logs one at the
+run's first version and one at each ``restore()``, with a ``Resumed`` event naming the
+version it loaded and the state digest it checked against that version's seal.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import time
+
+import torch
+
+from eventlog import crypto, serde
+from eventlog.events import CONTROL_SHARD, Body, Envelope, EnvironmentFingerprint, Resumed
+from eventlog.fold.engine import RebuiltState
+from eventlog.ports import CONTROL, Coordinator, LogWriter
+from replayer.replay import ReplayReport
+
+
+def world_size() -> int:
+    """The ``torch.distributed`` world size (1 without a process group)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized():
+        return int(dist.get_world_size())
+    return 1
+
+
+def environment(reason: str) -> EnvironmentFingerprint:
+    """This process's environment, as a fingerprint event (``reason``: start or resume)."""
+    cudnn = torch.backends.cudnn
+    cudnn_version = cudnn.version() if cudnn.is_available() else None  # type: ignore[no-untyped-call]
+    return EnvironmentFingerprint(
+        reason=reason,
+        torch_version=str(torch.__version__),
+        cuda_version=torch.version.cuda,
+        cudnn_version=None if cudnn_version is None else str(cudnn_version),
+        deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
+        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        cudnn_benchmark=bool(cudnn.benchmark),
+        cudnn_deterministic=bool(cudnn.deterministic),
+        matmul_precision=torch.get_float32_matmul_precision(),
+        num_threads=torch.get_num_threads(),
+        hostname=socket.gethostname(),
+        world_size=world_size(),
+        python_version=platform.python_version(),
+    )
+
+
+def log_resume(writer: LogWriter, coord: Coordinator, run_id: str, writer_name: str,
+               state: RebuiltState, report: ReplayReport) -> int:
+    """Log this process's environment and the proof of the resume ``state`` is (the version
+    loaded, the state digest the replay checked against its seal, where it started);
+    returns the last gsn used."""
+    proof = Resumed(state.version, state.step, state.seal.seal.state_digest, report.snapshot_id,
+                    report.snapshot_version, report.tail_versions, state.counts.applied)
+    return log_control(writer, coord, run_id, writer_name, state.version, state.step,
+                       [environment(EnvironmentFingerprint.RESUME), proof])
+
+
+def log_control(writer: LogWriter, coord: Coordinator, run_id: str, writer_name: str,
+                version: int, step: int, bodies: list[Body]) -> int:
+    """Write ``bodies`` to the control partition in one transaction, as events of
+    ``version``; returns the last gsn used."""
+    first = coord.allocate_gsns(run_id, len(bodies))
+    now = int(time.time() * 1000)
+    keys = crypto.keyring()
+    with writer.transaction() as txn:
+        for i, body in enumerate(bodies):
+            env = Envelope(run_id, first + i, version, step, CONTROL_SHARD, writer_name, now, body)
+            if keys is not None:
+                env = crypto.encrypt_event(env, keys)
+            txn.append(CONTROL, serde.encode(env))
+    return first + len(bodies) - 1
