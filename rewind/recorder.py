@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgpack
 import numpy as np
 import torch
 
@@ -48,6 +49,7 @@ from eventlog.events import (
     CommitSealed,
     CustomState,
     Envelope,
+    EnvironmentFingerprint,
     Metrics,
     RngAdvance,
     RunStarted,
@@ -59,10 +61,11 @@ from eventlog.events import (
 from eventlog.fold.engine import index_control
 from eventlog.layout import assign_shards, config_digest
 from eventlog.optimstep import CapturedStep, StepCapture
-from eventlog.ports import CONTROL, Coordinator, EventLog
+from eventlog.ports import CONTROL, Coordinator, EventLog, LogTransaction
 from eventlog.settings import Settings, current
 from replayer.replay import Restorer
 from replayer.replay import restorer as restorer_of
+from rewind import distributed, fingerprint
 from rewind.snapshots import Snapshots, with_store
 from schemas import SCHEMA_VERSION
 from snapshotter.policies import Trigger
@@ -140,6 +143,8 @@ class _Job:
     future: Future[CommitResult]
     flush_only: bool = False
     steps: list[CapturedStep] = field(default_factory=list)
+    #: Multi-rank: replicated tensors in ``staged`` (rank 0 writes them; the others hash them).
+    replicated: frozenset[str] = frozenset()
 
 
 class Recorder:
@@ -162,6 +167,11 @@ class Recorder:
     ``settings`` (default ``eventlog.settings.current()``) gives the defaults of ``shards``,
     ``max_inflight`` and ``chunk_bytes``, and the codec's tuning (``predict_max_steps``,
     ``grad_compression``, ``codec_threads``).
+
+    ``group``: the process group of a ``torch.distributed`` job whose every rank runs a
+    ``Recorder`` on the same run (``rewind.distributed``): each rank records its own part
+    (``shards`` tensor shards per rank) and rank 0 seals each version once every part is
+    durable. ``None``: a single process.
     """
 
     def __init__(
@@ -183,6 +193,7 @@ class Recorder:
         predictive: bool = True,
         settings: Settings | None = None,
         snapshots: Snapshots | Trigger | None = None,
+        group: Any | None = None,
     ) -> None:
         address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
         self._snapshots = None if snapshots is None else Snapshots.of(snapshots)
@@ -220,6 +231,11 @@ class Recorder:
         self._chunk_bytes = chunk_bytes
         self._restorer = restorer or restorer_of(self.address)
         self._snapshotter: SnapshotterThread | None = None
+        self._group = None if group is None else distributed.RankGroup(group)
+        if self._group is not None:
+            predictive = False  # its step plan knows no DTensors yet: XOR deltas
+            if self._group.rank != 0:
+                self._snapshots = None  # one snapshotter per run: rank 0's
         # The predictive codec watches the optimizer's steps through a pre-hook.
         self._plan: predictive_codec.StepPlan | str = (
             predictive_codec.StepPlan.of(model, optimizer) if predictive else "the predictive codec is off"
@@ -227,6 +243,8 @@ class Recorder:
         self._steps = (StepCapture(optimizer, settings.predict_max_steps)  # type: ignore[arg-type]
                        if isinstance(self._plan, predictive_codec.StepPlan) else None)
         self.writer_id = writer_id or f"{self.run_id}.trainer"
+        if self._group is not None:
+            self.writer_id += f".rank{self._group.rank}"
         # Events name the writer and this process's session: a new session after the same
         # writer id marks a recovery in the run's history.
         self.session = uuid.uuid4().hex[:8]
@@ -236,6 +254,11 @@ class Recorder:
         self._shards = self._log.shard_count() or shards
         # Becoming the writer fences any older process with the same writer id (a zombie).
         self._writer = self._log.writer(self.writer_id)
+        # Multi-rank: the global layout, the versions an unsealed part took (never reused).
+        self._global_specs: tuple[TensorSpec, ...] = ()
+        self._skip = 0
+        if self._group is not None:
+            self._start_group(shards)
         self._serialize = serde.EnvelopeSerializer()
         # Last committed state: the XOR base, its chunk digests, its layout, its small states.
         self._version = 0
@@ -283,7 +306,12 @@ class Recorder:
         if self._snapshots is not None and self._snapshotter is None:
             # Started here, not in __init__: a restore does not share the machine with it.
             self._snapshotter = self._snapshots.start(self.address, f"{self.writer_id}.snapshotter")
-        tensors, small = self._capture()
+        replicated: frozenset[str] = frozenset()
+        if self._group is None:
+            tensors, small = self._capture()
+        else:
+            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank)
+            tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
         try:
@@ -305,7 +333,8 @@ class Recorder:
                 if name not in tensors:
                     del staged[name]
             job = _Job(step, {k: float(v) for k, v in (metrics or {}).items()}, base_version,
-                       staged, layout, small, Future(), steps=self._steps.take() if self._steps else [])
+                       staged, layout, small, Future(), steps=self._steps.take() if self._steps else [],
+                       replicated=replicated)
             self._jobs.put(job)
         except BaseException:
             self._staging_slots.release()  # no job will give it back
@@ -329,6 +358,8 @@ class Recorder:
         checked against the version's seal before anything is loaded."""
         self._check_usable()
         self.flush()
+        if self._group is not None:
+            return self._restore_group()
         t0 = time.perf_counter()
         try:
             if self._log.shard_count() is None:
@@ -354,6 +385,8 @@ class Recorder:
         # The log is the truth: the coordinator's version and gsn counter follow it.
         self._coord.reset_version(self.run_id, state.version)
         self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
+        self._last_gsn = fingerprint.log_resume(self._writer, self._coord, self.run_id,
+                                                f"{self.writer_id}#{self.session}", state, report)
         c = state.counts
         return RestoreResult(
             step=state.step, version=state.version, applied=c.applied,
@@ -418,7 +451,7 @@ class Recorder:
                 if self._failure is not None:
                     job.future.set_exception(self._failure)
                 else:
-                    job.future.set_result(self._write(job))
+                    job.future.set_result(self._write(job) if self._group is None else self._write_group(job))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 self._failure = exc
                 job.future.set_exception(exc)
@@ -452,6 +485,8 @@ class Recorder:
                 self._shards, specs, tuple(sorted(job.small)), config_digest(specs, list(job.small)),
                 torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
                 REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes))
+            if version == 1:
+                control.append(fingerprint.environment(EnvironmentFingerprint.START))
         for name, state in sorted(job.small.items()):
             if self._small.get(name) != state:
                 control.append(_KINDS.get(name, CustomState)(name, state))
@@ -467,30 +502,9 @@ class Recorder:
         self._log.create(self._shards)
         self._claim_version(base, version)
         try:
-            first = self._coord.allocate_gsns(self.run_id, most)
-            if first <= self._last_gsn:
-                # The coordinator lost its counter (e.g. Redis flushed): rebuild it from ours.
-                self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
-                first = self._coord.allocate_gsns(self.run_id, most)
-            now = int(time.time() * 1000)
-            keys = crypto.keyring()
-            shard_counts = [0] * self._shards
-            gsn = first
+            first = self._allocate_gsns(most)
             with self._writer.transaction() as txn:
-
-                def emit(shard: int, body: Body) -> None:
-                    nonlocal gsn
-                    env = Envelope(self.run_id, gsn, version, job.step,
-                                   CONTROL_SHARD if shard == CONTROL else shard,
-                                   f"{self.writer_id}#{self.session}", now, body)
-                    if keys is not None:
-                        env = crypto.encrypt_event(env, keys)
-                    data, bulk_at = self._serialize.with_bulk(env)
-                    txn.append(shard, data, bulk_at=bulk_at)
-                    if shard != CONTROL:
-                        shard_counts[shard] += 1
-                    gsn += 1
-
+                emit = _Emitter(self, txn, version, job.step, first)
                 if prediction:
                     # Each shard's gradients and steps come before its residuals.
                     for shard, body in prediction.events(self._pool, self._chunk_bytes,
@@ -513,26 +527,205 @@ class Recorder:
                 else:
                     codec = f"xor-delta/blosc2-zstd (not predictive: {why_not})"
                 control.append(CommitSealed(
-                    base, tuple(shard_counts), len(control), shard_digests, small_dig,
+                    base, tuple(emit.shard_counts), len(control), shard_digests, small_dig,
                     state_digest(shard_digests, small_dig), codec, raw, enc))
                 for event in control:
                     emit(CONTROL, event)
+            gsn = emit.gsn
         except BaseException:
             # Give the version back, so a retry after restore() is not stale.
             with contextlib.suppress(RewindError):
                 self._coord.compare_and_set_version(self.run_id, version, base)
             raise
-        # The committed bits become the next XOR base; the old base's buffers are reused.
+        self._advance(job, specs, chunk_digests, dict(job.small), version, gsn - 1)
+        return CommitResult(version, job.step, gsn - first, raw, enc, time.perf_counter() - t0, codec,
+                            residual, encode_seconds)
+
+    def _advance(self, job: _Job, specs: tuple[TensorSpec, ...], chunk_digests: dict[str, list[bytes]],
+                 small: dict[str, bytes], version: int, last_gsn: int) -> None:
+        """Make a sealed version the recorder's base: its bits the next XOR base (the old
+        base's buffers are reused), its layout and small states the ones to compare with."""
         old = self._prev
         self._prev = job.staged
         self._prev_chunks = chunk_digests
         if old:
             with self._spare_lock:
                 self._spare.append(old)
-        self._specs, self._small = specs, dict(job.small)
-        self._version, self._last_gsn = version, gsn - 1
-        return CommitResult(version, job.step, gsn - first, raw, enc, time.perf_counter() - t0, codec,
-                            residual, encode_seconds)
+        self._specs, self._small = specs, small
+        self._version, self._last_gsn = version, last_gsn
+
+    # ------------------------------------------------------------------ multi-rank
+    def _start_group(self, shards: int) -> None:
+        """Agree on the run's shard count (``shards`` per rank for a new run) and create it."""
+        g = self._group
+        assert g is not None
+        total = self._log.shard_count() or shards * g.world
+        if total % g.world:
+            raise ConfigError(f"run {self.run_id!r} has {total} tensor shards, which {g.world} ranks "
+                              "cannot share evenly (restoring at another world size is not supported yet)")
+        if g.rank == 0:
+            self._log.create(total)
+        g.barrier()  # the partitions exist before any rank writes its part
+        self._shards = total
+        self._per_rank = total // g.world
+
+    def _write_group(self, job: _Job) -> CommitResult:
+        """One rank's side of a multi-rank version: its part in its own transaction, then the
+        agreement; rank 0 seals the version once every part is durable."""
+        g = self._group
+        assert g is not None
+        t0 = time.perf_counter()
+        base = self._version
+        version = base + 1 + self._skip
+        mine = distributed.owned_shards(g.rank, self._per_rank)
+        specs, emitted = self._specs, 0
+        chunk_digests: dict[str, list[bytes]] = {}
+        report, failure = distributed.PartReport(), None
+        try:
+            if job.base_version is not None and job.base_version != base:
+                raise StaleVersionError(job.base_version, base)
+            own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
+            layout = {n: job.layout[n] for n in own}
+            if {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout:
+                specs = distributed.assign_rank_shards(layout, g.rank, self._per_rank, specs)
+            spec_of = {s.name: s for s in specs}
+            counts = [0] * self._shards
+            if own:
+                most = sum(len(tensorcodec.chunk_ranges(len(b), self._chunk_bytes)) for b in own.values())
+                first = self._allocate_gsns(most)
+                with self._writer.transaction() as txn:
+                    emit = _Emitter(self, txn, version, job.step, first)
+                    chunk_digests, report.encoded_bytes, _ = self._encode(
+                        dataclasses.replace(job, staged=own), spec_of, set(), emit)
+                counts, emitted, report.last_gsn = emit.shard_counts, emit.gsn - first, emit.gsn - 1
+            digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name]) for s in specs}
+            report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
+            report.counts = {s: counts[s] for s in mine}
+            report.digests = distributed.shard_digests_of(specs, mine, digests)
+            report.small = {n: b for n, b in job.small.items() if self._small.get(n) != b}
+            report.replicas = {n: digests[n] if n in digests else distributed.bits_digest(
+                n, job.layout[n], job.staged[n], self._chunk_bytes) for n in job.replicated}
+            report.raw_bytes = sum(len(b) for b in own.values())
+        except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
+            failure = exc
+            report = distributed.PartReport(error=f"{type(exc).__name__}: {exc}")
+        reports = [distributed.PartReport.unpack(b, r) for r, b in enumerate(g.all_gather(report.pack()))]
+        distributed.check_parts(reports, version, failure)
+        small = dict(self._small)
+        for rep in reports:
+            small.update(rep.small)
+        global_specs = tuple(sorted((TensorSpec(n, d, s, h) for rep in reports for n, d, s, h in rep.specs),
+                                    key=lambda s: s.name))
+        outcome, sealed = "", None
+        if g.rank == 0:
+            try:
+                sealed = self._seal_group(job, base, version, reports, global_specs, small)
+            except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
+                failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+        outcome = g.broadcast(outcome.encode()).decode()
+        if failure is not None:
+            raise failure
+        if outcome:
+            raise RewindError(f"version {version} was not sealed: rank 0 failed to seal it ({outcome})")
+        self._global_specs, self._skip = global_specs, 0
+        last = max(report.last_gsn, self._last_gsn, sealed or 0)
+        self._advance(job, specs, chunk_digests, small, version, last)
+        return CommitResult(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
+                            report.encoded_bytes, time.perf_counter() - t0,
+                            f"xor-delta/blosc2-zstd (multi-rank, {g.world} ranks)")
+
+    def _seal_group(self, job: _Job, base: int, version: int, reports: list[distributed.PartReport],
+                    specs: tuple[TensorSpec, ...], small: dict[str, bytes]) -> int:
+        """Rank 0: the version's control events and its global seal, in one transaction,
+        after every rank's part is durable; returns the seal's gsn."""
+        control: list[Body] = []
+        if specs != self._global_specs:
+            control.append(RunStarted(
+                self._shards, specs, tuple(sorted(small)), config_digest(specs, list(small)),
+                torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
+                REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes))
+        for name, state in sorted(small.items()):
+            if self._small.get(name) != state:
+                control.append(_KINDS.get(name.rpartition("/")[2], CustomState)(name, state))
+        if job.metrics:
+            control.append(Metrics(job.metrics))
+        counts, digests = [0] * self._shards, [b""] * self._shards
+        for rep in reports:
+            for shard, n in rep.counts.items():
+                counts[shard] = n
+            for shard, d in rep.digests.items():
+                digests[shard] = d
+        small_dig = small_digest(small)
+        control.append(CommitSealed(
+            base, tuple(counts), len(control), tuple(digests), small_dig, state_digest(digests, small_dig),
+            f"xor-delta/blosc2-zstd (multi-rank, {len(reports)} ranks)",
+            sum(r.raw_bytes for r in reports), sum(r.encoded_bytes for r in reports)))
+        self._claim_version(base, version)
+        try:
+            first = self._allocate_gsns(len(control))
+            with self._writer.transaction() as txn:
+                emit = _Emitter(self, txn, version, job.step, first)
+                for event in control:
+                    emit(CONTROL, event)
+        except BaseException:
+            with contextlib.suppress(RewindError):
+                self._coord.compare_and_set_version(self.run_id, version, base)
+            raise
+        return emit.gsn - 1
+
+    def _restore_group(self) -> RestoreResult:
+        """Each rank loads its own part of the newest sealed version; every rank learns which
+        version numbers a crashed commit's unsealed parts took, so none is reused."""
+        g = self._group
+        assert g is not None
+        t0 = time.perf_counter()
+        state, report = None, None
+        with contextlib.suppress(RunNotFoundError):
+            state, report = self._restorer(self._log)
+        sealed = 0 if state is None else state.version
+        tail_version, tail_gsn = distributed.unsealed_tail(self._log, self._shards, sealed)
+        seen = [msgpack.unpackb(b) for b in g.all_gather(msgpack.packb([sealed, tail_version, tail_gsn]))]
+        if any(v != sealed for v, _, _ in seen):
+            raise RewindError(f"the ranks restored different versions ({[v for v, _, _ in seen]}): the "
+                              "log changed while they read it; restore again once no rank commits")
+        newest = max(max(v for _, v, _ in seen), sealed)
+        floor = max(t for _, _, t in seen)
+        if state is not None:
+            distributed.load_rank(self._objects, state, g.rank)
+            mine = set(distributed.owned_shards(g.rank, self._per_rank))
+            self._specs = tuple(s for s in state.layout.tensors if s.shard in mine)
+            self._global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
+            self._prev = {n: t.bits.copy() for s in state.shards if s.shard in mine
+                          for n, t in s.tensors.items()}
+            self._chunk_bytes = state.layout.chunk_bytes
+            self._small = dict(state.small.states)
+            floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
+        self._prev_chunks = {}
+        self._version, self._skip = sealed, newest - sealed
+        self._last_gsn = max(self._last_gsn, floor)
+        if g.rank == 0:
+            self._coord.reset_version(self.run_id, sealed)
+            self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
+        g.barrier()  # no rank commits before rank 0 set the coordinator
+        if state is None or report is None:
+            return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
+        c = state.counts
+        return RestoreResult(
+            step=state.step, version=state.version, applied=c.applied,
+            skipped=c.skipped_by_snapshot + c.skipped_duplicate + c.skipped_unsealed,
+            seconds=time.perf_counter() - t0, source=state.source, snapshot=report.snapshot_id,
+            snapshot_version=report.snapshot_version, tail=report.tail_versions,
+            passed_over=tuple(report.passed_over), state_digest=report.state_digest,
+        )
+
+    def _allocate_gsns(self, count: int) -> int:
+        """The first of ``count`` fresh gsns, all above every gsn this recorder has seen."""
+        first = self._coord.allocate_gsns(self.run_id, count)
+        if first <= self._last_gsn:
+            # The coordinator lost its counter (e.g. Redis flushed): rebuild it from ours.
+            self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
+            first = self._coord.allocate_gsns(self.run_id, count)
+        return first
 
     def _predict(
         self, job: _Job, spec_of: Mapping[str, TensorSpec], relayout: bool
@@ -612,6 +805,31 @@ class Recorder:
     def _chunk_of(self, bits: np.ndarray, index: int) -> np.ndarray:
         off, n = tensorcodec.chunk_ranges(len(bits), self._chunk_bytes)[index]
         return bits[off:off + n]
+
+
+class _Emitter:
+    """Appends one version's events to an open log transaction, with consecutive gsns from
+    ``first``, counting each tensor shard's events."""
+
+    def __init__(self, rec: Recorder, txn: LogTransaction, version: int, step: int, first: int) -> None:
+        self._rec, self._txn, self._version, self._step = rec, txn, version, step
+        self.gsn = first
+        self.shard_counts = [0] * rec._shards
+        self._now = int(time.time() * 1000)
+        self._keys = crypto.keyring()
+
+    def __call__(self, shard: int, body: Body) -> None:
+        rec = self._rec
+        env = Envelope(rec.run_id, self.gsn, self._version, self._step,
+                       CONTROL_SHARD if shard == CONTROL else shard,
+                       f"{rec.writer_id}#{rec.session}", self._now, body)
+        if self._keys is not None:
+            env = crypto.encrypt_event(env, self._keys)
+        data, bulk_at = rec._serialize.with_bulk(env)
+        self._txn.append(shard, data, bulk_at=bulk_at)
+        if shard != CONTROL:
+            self.shard_counts[shard] += 1
+        self.gsn += 1
 
 
 def _timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:

@@ -1,0 +1,377 @@
+"""Multi-rank runs: how the ranks of a ``torch.distributed`` job agree on one version, and
+which part of the state each rank records and restores.
+
+Every rank runs a ``Recorder`` on the same run with its process group. The recorder makes a
+gloo group of its own (``RankGroup``), so its agreement, on the committer thread, never
+interleaves with the trainer's collectives. Rank ``r`` owns tensor shards
+``r*k .. r*k+k-1`` (each partition keeps one writer) and records:
+
+* the local shards of its DTensors as ``rank<r>/<path>`` (``<path>``: the tensor's place in
+  the state tree, e.g. ``model/fc.weight``);
+* replicated tensors (plain tensors of the model and optimizer, all-``Replicate()``
+  DTensors) under ``<path>``, on rank 0 only; the other ranks only hash theirs, and the
+  hashes are compared at each commit (``check_parts``);
+* its small states as ``rank<r>/<name>``, and ``layout/rank<r>``: each DTensor's global
+  shape, stride, mesh shape and placements (msgpack).
+
+Parts travel between ranks as msgpack bytes in uint8 tensors (no pickle).
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+from eventlog import statecodec, tensorcodec
+from eventlog.capture import TENSOR_ROLES, Stateful, unflatten
+from eventlog.digests import chunk_digests, shard_digest, tensor_digest
+from eventlog.errors import DecodeError, RewindError, StateMismatchError
+from eventlog.events import Envelope, TensorSpec
+from eventlog.fold.engine import RebuiltState, events
+from eventlog.layout import assign_shards
+from eventlog.ports import EventLog
+from eventlog.statecodec import TensorRef
+
+#: How long a rank waits for the others at one step of the agreement.
+AGREEMENT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def rank_prefix(rank: int) -> str:
+    """The name prefix of rank ``rank``'s own tensors and small states."""
+    return f"rank{rank}/"
+
+
+class RankGroup:
+    """The recorder's own gloo group over the ranks of the trainer's group."""
+
+    def __init__(self, group: Any) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RewindError("Recorder(group=...) needs torch.distributed initialised "
+                              "(dist.init_process_group) first")
+        ranks = dist.get_process_group_ranks(group)
+        # Collective over the whole world: every rank of the job creates its Recorder.
+        made = dist.new_group(ranks=ranks, backend="gloo", timeout=AGREEMENT_TIMEOUT)
+        if not isinstance(made, dist.ProcessGroup):
+            raise RewindError("this rank is not a member of the Recorder's process group")
+        self.group: dist.ProcessGroup = made
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+
+    def all_gather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
+        dist.all_gather(sizes, size, group=self.group)
+        most = max(int(s.item()) for s in sizes)
+        mine = torch.zeros(most, dtype=torch.uint8)
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+        got = [torch.empty(most, dtype=torch.uint8) for _ in range(self.world)]
+        dist.all_gather(got, mine, group=self.group)
+        return [g[:int(s.item())].numpy().tobytes() for g, s in zip(got, sizes, strict=True)]
+
+    def broadcast(self, data: bytes) -> bytes:
+        """Rank 0's ``data`` on every rank."""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(size, src=self._global(0), group=self.group)
+        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+        if self.rank == 0 and data:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        dist.broadcast(buf, src=self._global(0), group=self.group)
+        return buf.numpy().tobytes()
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        self.all_gather(b"")
+
+    def _global(self, rank: int) -> int:
+        return int(dist.get_global_rank(self.group, rank))
+
+
+def owned_shards(rank: int, per_rank: int) -> range:
+    """The tensor shards rank ``rank`` writes."""
+    return range(rank * per_rank, (rank + 1) * per_rank)
+
+
+# ---------------------------------------------------------------------- capture
+@dataclass
+class Captured:
+    """One rank's state as a commit takes it: tensors by log name, small states by name."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: Replicated tensors (written by rank 0; the other ranks only hash them).
+    replicated: set[str] = field(default_factory=set)
+    small: dict[str, bytes] = field(default_factory=dict)
+
+
+def _placement_name(p: Placement) -> str:
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    raise RewindError(f"a DTensor placement {p} cannot be recorded (only Shard(d) and Replicate())")
+
+
+def _placement_of(name: str, where: str) -> Placement:
+    if name == "R":
+        return Replicate()
+    if name.startswith("S(") and name.endswith(")") and name[2:-1].isdigit():
+        return Shard(int(name[2:-1]))
+    raise DecodeError(f"{where}: unknown placement {name!r}")
+
+
+def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int) -> Captured:
+    """This rank's tensors (DTensors as their local shards) and small states, named so
+    that no two ranks' parts collide."""
+    roles = frozenset(tensor_roles)
+    prefix = rank_prefix(rank)
+    out = Captured()
+    layout: dict[str, dict[str, Any]] = {}
+    for obj_name, obj in objects.items():
+        tree = obj.state_dict()
+        if obj_name not in roles:
+            out.small[prefix + obj_name] = statecodec.pack(tree)
+            continue
+
+        def leaf(t: torch.Tensor, path: str, replicable: bool = obj_name in TENSOR_ROLES) -> TensorRef:
+            # ``replicable``: a plain tensor of the model or optimizer is a replica (a
+            # buffer's tensors are the rank's own).
+            if isinstance(t, DTensor):
+                placements = tuple(t.placements)
+                local = t.to_local()
+                if all(isinstance(p, Replicate) for p in placements):
+                    name = path
+                    out.replicated.add(name)
+                else:
+                    name = prefix + path
+                layout[name] = {
+                    "shape": list(t.shape), "stride": list(t.stride()),
+                    "mesh": list(t.device_mesh.shape),
+                    "placements": [_placement_name(p) for p in placements],
+                }
+                out.tensors[name] = local
+            elif replicable:
+                out.tensors[path] = t
+                out.replicated.add(path)
+                name = path
+            else:
+                name = prefix + path
+                out.tensors[name] = t
+            return TensorRef(name)
+
+        out.small[prefix + obj_name] = statecodec.pack(_walk(tree, obj_name, leaf))
+    out.small[f"layout/rank{rank}"] = statecodec.pack(layout)
+    return out
+
+
+def _walk(node: Any, path: str, leaf: Any) -> Any:
+    """``node`` with every tensor replaced by ``leaf(tensor, path)``."""
+    if isinstance(node, torch.Tensor):
+        return leaf(node, path)
+    if isinstance(node, Mapping):
+        return {k: _walk(v, f"{path}/{k}", leaf) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_walk(v, f"{path}/{i}", leaf) for i, v in enumerate(node)]
+    if isinstance(node, tuple):
+        return tuple(_walk(v, f"{path}/{i}", leaf) for i, v in enumerate(node))
+    return node
+
+
+def assign_rank_shards(
+    layout: Mapping[str, tuple[str, tuple[int, ...]]], rank: int, per_rank: int,
+    previous: Sequence[TensorSpec],
+) -> tuple[TensorSpec, ...]:
+    """``assign_shards`` over this rank's own shards only (global shard indices)."""
+    base = rank * per_rank
+    local_prev = [TensorSpec(s.name, s.dtype, tuple(s.shape), s.shard - base) for s in previous]
+    return tuple(TensorSpec(s.name, s.dtype, s.shape, s.shard + base)
+                 for s in assign_shards(layout, per_rank, local_prev))
+
+
+def bits_digest(name: str, spec: tuple[str, tuple[int, ...]], bits: np.ndarray, chunk_bytes: int) -> bytes:
+    """A tensor's digest as its seal would record it."""
+    return tensor_digest(name, spec[0], spec[1], chunk_digests(bits, chunk_bytes))
+
+
+# ---------------------------------------------------------------------- agreement
+@dataclass
+class PartReport:
+    """What a rank tells the others once its part of a version is durable (or failed)."""
+
+    error: str = ""
+    #: This rank's tensors: ``(name, dtype, shape, shard)``.
+    specs: list[tuple[str, str, tuple[int, ...], int]] = field(default_factory=list)
+    #: Events and digest of each shard this rank owns.
+    counts: dict[int, int] = field(default_factory=dict)
+    digests: dict[int, bytes] = field(default_factory=dict)
+    #: Small states that changed since the last sealed version.
+    small: dict[str, bytes] = field(default_factory=dict)
+    #: Digests of the replicated tensors as this rank holds them.
+    replicas: dict[str, bytes] = field(default_factory=dict)
+    raw_bytes: int = 0
+    encoded_bytes: int = 0
+    last_gsn: int = 0
+
+    def pack(self) -> bytes:
+        """msgpack bytes of the report."""
+        packed: bytes = msgpack.packb([
+            self.error, [list(s[:2]) + [list(s[2]), s[3]] for s in self.specs],
+            list(self.counts.items()), list(self.digests.items()), self.small, self.replicas,
+            self.raw_bytes, self.encoded_bytes, self.last_gsn,
+        ], use_bin_type=True)
+        return packed
+
+    @classmethod
+    def unpack(cls, data: bytes, rank: int) -> PartReport:
+        """The report of rank ``rank`` from its bytes."""
+        try:
+            e, specs, counts, digests, small, replicas, raw, enc, last = msgpack.unpackb(data, raw=False)
+            return cls(str(e), [(str(n), str(d), tuple(int(x) for x in s), int(h)) for n, d, s, h in specs],
+                       {int(k): int(v) for k, v in counts}, {int(k): bytes(v) for k, v in digests},
+                       dict(small), dict(replicas), int(raw), int(enc), int(last))
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise DecodeError(f"rank {rank}'s part report cannot be decoded: {exc}") from exc
+
+
+def check_parts(reports: Sequence[PartReport], version: int, own: BaseException | None) -> None:
+    """Raise unless every rank's part of ``version`` is durable and every replica agrees
+    with rank 0's (``own``: this rank's failure, raised as it is)."""
+    if own is not None:
+        raise own
+    for rank, rep in enumerate(reports):
+        if rep.error:
+            raise RewindError(f"version {version} was not sealed: rank {rank} failed to write "
+                              f"its part ({rep.error})")
+    ref = reports[0].replicas
+    for rank, rep in enumerate(reports[1:], start=1):
+        for name in sorted(ref.keys() | rep.replicas.keys()):
+            mine, theirs = ref.get(name), rep.replicas.get(name)
+            if mine != theirs:
+                said = ("is missing on rank 0" if mine is None
+                        else "is missing on that rank" if theirs is None
+                        else f"digest {theirs.hex()} differs from rank 0's {mine.hex()}")
+                raise RewindError(f"replica drift at version {version}: rank {rank}'s copy of replicated "
+                                  f"tensor {name!r} {said}; the version was not sealed")
+
+
+def shard_digests_of(specs: Iterable[TensorSpec], shards: Iterable[int],
+                     digests: Mapping[str, bytes]) -> dict[int, bytes]:
+    """Each of ``shards``'s digest over the tensors ``specs`` assigns to it."""
+    per: dict[int, dict[str, bytes]] = {s: {} for s in shards}
+    for s in specs:
+        per[s.shard][s.name] = digests[s.name]
+    return {s: shard_digest(d) for s, d in per.items()}
+
+
+# ---------------------------------------------------------------------- restore
+def unsealed_tail(log: EventLog, shards: int, sealed: int) -> tuple[int, int]:
+    """The newest version and gsn of any record on a shard partition past the newest
+    sealed version ``sealed``: the part of a rank that wrote it before a crash. ``(0, 0)``
+    if there is none. Versions within a partition never decrease, so the last record tells."""
+    newest, gsn = 0, 0
+    for shard in range(shards):
+        env = _last_event(log, shard)
+        if env is not None and env.version > sealed:
+            newest, gsn = max(newest, env.version), max(gsn, env.gsn)
+    return newest, gsn
+
+
+def _last_event(log: EventLog, partition: int) -> Envelope | None:
+    """The partition's last committed event, read through a window that widens from the end
+    (offsets need not be dense: Kafka's transaction markers and aborted records take some)."""
+    start, end = log.start_offset(partition), log.end_offset(partition)
+    width = 4
+    while True:
+        gt = max(start - 1, end - 1 - width)
+        found = list(events(log, partition, gt=gt, lte=end - 1))
+        if found:
+            return found[-1][2]
+        if gt <= start - 1:
+            return None
+        width *= 8
+
+
+def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int) -> dict[str, Any]:
+    """The state trees this rank recorded, with its DTensors rebuilt over the live meshes."""
+    prefix = rank_prefix(rank)
+    states = state.small.states
+    missing = [n for n in objects if prefix + n not in states]
+    if missing:
+        raise StateMismatchError(
+            f"run {state.run_id!r} recorded no state of rank {rank} for {', '.join(map(repr, missing))}"
+            f" (recorded at {_ranks_in(states)} ranks?)")
+    skeletons = {n: statecodec.unpack(states[prefix + n], f"small state {prefix + n!r}") for n in objects}
+    raw_layout = states.get(f"layout/rank{rank}")
+    layout = statecodec.unpack(raw_layout, f"small state 'layout/rank{rank}'") if raw_layout else {}
+    wanted: set[str] = set()
+    for tree in skeletons.values():
+        _walk_refs(tree, wanted)
+    bits = {n: t for s in state.shards for n, t in s.tensors.items() if n in wanted}
+    tensors = {n: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape) for n, t in bits.items()}
+    meshes = _live_meshes(objects)
+    for name, entry in layout.items():
+        if name in tensors:
+            tensors[name] = _as_dtensor(tensors[name], entry, meshes, name)
+    return {n: unflatten(tree, tensors) for n, tree in skeletons.items()}
+
+
+def _ranks_in(states: Mapping[str, bytes]) -> int:
+    return sum(1 for n in states if n.startswith("layout/rank"))
+
+
+def _walk_refs(node: Any, into: set[str]) -> None:
+    if isinstance(node, TensorRef):
+        into.add(node.name)
+    elif isinstance(node, dict):
+        for v in node.values():
+            _walk_refs(v, into)
+    elif isinstance(node, list | tuple):
+        for v in node:
+            _walk_refs(v, into)
+
+
+def _live_meshes(objects: Mapping[str, Stateful]) -> list[DeviceMesh]:
+    """The device meshes the live objects' DTensors use (a module's parameters, an
+    optimizer's param groups)."""
+    found: list[DeviceMesh] = []
+    for obj in objects.values():
+        tensors: list[Any] = []
+        if isinstance(obj, torch.nn.Module):
+            tensors = list(obj.parameters()) + list(obj.buffers())
+        for group in getattr(obj, "param_groups", None) or []:
+            tensors += list(group.get("params", []))
+        for t in tensors:
+            if isinstance(t, DTensor) and all(t.device_mesh is not m for m in found):
+                found.append(t.device_mesh)
+    return found
+
+
+def _as_dtensor(local: torch.Tensor, entry: Mapping[str, Any], meshes: Sequence[DeviceMesh],
+                name: str) -> DTensor:
+    where = f"layout of recorded tensor {name!r}"
+    shape = tuple(int(x) for x in entry["mesh"])
+    mesh = next((m for m in meshes if tuple(m.shape) == shape), None)
+    if mesh is None:
+        raise StateMismatchError(f"{where}: recorded over a device mesh of shape {list(shape)}, but the "
+                                 f"live model has {[list(m.shape) for m in meshes] or 'no DTensors'}")
+    placements = tuple(_placement_of(str(p), where) for p in entry["placements"])
+    return DTensor.from_local(local, mesh, placements, run_check=False,
+                              shape=torch.Size(entry["shape"]), stride=tuple(entry["stride"]))
+
+
+def load_rank(objects: Mapping[str, Stateful], state: RebuiltState, rank: int) -> None:
+    """Load this rank's recorded part into the live objects; nothing is loaded on a mismatch."""
+    trees = rank_trees(objects, state, rank)
+    for name, tree in trees.items():
+        try:
+            objects[name].load_state_dict(tree)
+        except (RuntimeError, KeyError, ValueError, TypeError) as exc:
+            raise StateMismatchError(f"rank {rank}: cannot load recorded {name!r}: {exc}") from exc
