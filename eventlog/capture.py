@@ -36,11 +36,21 @@ class Stateful(Protocol):
 
 
 def flatten(prefix: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a state tree into ``{log name: tensor}`` and a skeleton holding ``TensorRef`` s."""
+    """Split a state tree into ``{log name: tensor}`` and a skeleton holding ``TensorRef`` s.
+
+    A tensor that is the same view of the same memory as one met before (tied weights, such
+    as an embedding shared with the output layer) is recorded once: its place in the
+    skeleton refers to the first name."""
     tensors: dict[str, torch.Tensor] = {}
+    seen: dict[tuple[Any, ...], str] = {}
 
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
+            view = _view_key(node)
+            if view is not None and view in seen:
+                return TensorRef(seen[view])
+            if view is not None:
+                seen[view] = path
             tensors[path] = node
             return TensorRef(path)
         if isinstance(node, Mapping):
@@ -52,6 +62,13 @@ def flatten(prefix: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
         return node
 
     return tensors, walk(tree, prefix)
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors the same view of the same memory (None: not comparable)."""
+    if t.numel() == 0 or t.layout != torch.strided or t.device.type == "meta":
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
 def unflatten(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
@@ -97,14 +114,16 @@ def check_model_fits(
     """Raise ``StateMismatchError`` naming every tensor whose name, dtype or shape differs."""
     if not isinstance(obj, torch.nn.Module):
         return
+    state = obj.state_dict()
     live = {
         f"{name}/{k}": (str(v.dtype).removeprefix("torch."), tuple(v.shape))
-        for k, v in obj.state_dict().items()
+        for k, v in state.items()
         if isinstance(v, torch.Tensor)
     }
+    recorded_once = flatten(name, state)[0]  # a tied weight is recorded under its first name
     rec = {k: v for k, v in recorded.items() if k.startswith(f"{name}/")}
     problems = [f"missing in the model: {k}" for k in sorted(rec.keys() - live.keys())]
-    problems += [f"not in the recording: {k}" for k in sorted(live.keys() - rec.keys())]
+    problems += [f"not in the recording: {k}" for k in sorted(recorded_once.keys() - rec.keys())]
     problems += [
         f"{k}: recorded {rec[k][0]}{list(rec[k][1])}, model has {live[k][0]}{list(live[k][1])}"
         for k in sorted(rec.keys() & live.keys())

@@ -93,6 +93,37 @@ def test_extra_state_names_are_checked(tmp_path: Path) -> None:
         Recorder(_address(tmp_path), torch.nn.Linear(2, 2), extra={"model": Env()})
 
 
+class _Tied(torch.nn.Module):
+    """An embedding shared with the output layer, as language models tie them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 8)
+        self.head = torch.nn.Linear(8, 50, bias=False)
+        self.head.weight = self.embed.weight
+
+
+def test_a_tied_weight_is_recorded_once_and_restored_tied(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = _Tied()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Recorder(_address(tmp_path), model, opt) as rec:
+        for step in range(3):
+            opt.zero_grad()
+            model.head(model.embed(torch.arange(10))).logsumexp(1).mean().backward()
+            opt.step()
+            result = rec.commit(step, wait=True).result()
+    assert result.encoding.startswith("predictive") and result.residual_bytes == 0
+    state, _ = replay(_address(tmp_path))
+    recorded = sorted(t.name for t in state.layout.tensors if t.name.startswith("model/"))
+    assert recorded == ["model/embed.weight"]
+    again = _Tied()
+    with Recorder(_address(tmp_path), again, torch.optim.Adam(again.parameters(), lr=1e-2)) as rec:
+        assert rec.restore().step == 2
+    assert again.head.weight is again.embed.weight
+    assert torch.equal(again.embed.weight.view(torch.int32), model.embed.weight.view(torch.int32))
+
+
 class _Ring:
     """A replay-buffer-like state: a preallocated tensor filled a few rows per step."""
 

@@ -235,8 +235,14 @@ class RewindCallback(TrainerCallback):
         self._remove_resume_dir()
         path = Path(tempfile.mkdtemp(prefix="rewind-resume-"))
         TrainerState(**{**trees["trainer"], "log_history": []}).save_to_json(str(path / TRAINER_STATE_FILE))
-        save_file({k: v.contiguous() for k, v in trees["model"].items()}, str(path / WEIGHTS_FILE),
-                  metadata={"format": "pt"})
+        # A tied weight is one tensor under two names, which safetensors refuses to store:
+        # the second name gets a copy, so the Trainer finds every key it expects.
+        weights: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for key, tensor in trees["model"].items():
+            weights[key] = tensor.clone() if id(tensor) in seen else tensor.contiguous()
+            seen.add(id(tensor))
+        save_file(weights, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
         self._rebuilt, self._resume_dir = (rebuilt, report), path
         return str(path)
 
