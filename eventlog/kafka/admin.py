@@ -127,9 +127,28 @@ def create_topics(admin: AdminClient, settings: KafkaSettings, topics: list[str]
             raise EventLogError(f"{what}: topic {topic}: no answer from the broker") from exc
 
 
-def wait_for_topics(admin: AdminClient, want: dict[str, int], what: str) -> dict[str, int | None]:
-    """Wait (bounded) until every partition of the new topics has a leader."""
+def wait_for_topics(admin: AdminClient, settings: KafkaSettings, want: dict[str, int],
+                    what: str) -> dict[str, int | None]:
+    """Wait (bounded) until every partition of the new topics has a leader, as every broker
+    of the cluster sees it.
+
+    Each broker learns of a new topic from the cluster's metadata on its own schedule. A
+    transaction coordinator that has not yet heard of it refuses to add its partitions to a
+    transaction, which fails the first commit of a new run; so every broker is asked."""
     deadline = time.monotonic() + REQUEST_TIMEOUT_S * 2
+    ready = _ready(admin, want, what, deadline)
+    brokers = metadata(admin, None, what).brokers
+    if len(brokers) > 1:
+        for broker in brokers.values():
+            # A client that knows only this broker asks it, and no other, for the metadata.
+            one = client(AdminClient, {**settings.config("admin"),
+                                       "bootstrap.servers": f"{broker.host}:{broker.port}"},
+                         "admin client")
+            _ready(one, want, f"{what} (broker {broker.id})", deadline)
+    return ready
+
+
+def _ready(admin: AdminClient, want: dict[str, int], what: str, deadline: float) -> dict[str, int | None]:
     while True:
         ready: dict[str, int | None] = {}
         ok = True

@@ -74,7 +74,7 @@ class KafkaLog(EventLog):
             missing = [t for t, n in want.items() if have.get(t) is None]
             if missing:
                 create_topics(self._admin, self.settings, missing, want, what)
-                have = wait_for_topics(self._admin, want, what)
+                have = wait_for_topics(self._admin, self.settings, want, what)
             for topic, n in want.items():
                 if have[topic] != n:
                     raise EventLogError(
