@@ -4,8 +4,8 @@
 ``REWIND_TEST_REDIS`` (URL). Without them the kafka half of the matrix is skipped with a
 reason, unless ``REWIND_REQUIRE_SERVICES=1`` (set in CI), where their absence fails.
 Tests marked ``kafka_cluster`` also need the 3-broker cluster (``REWIND_TEST_KAFKA_CLUSTER``,
-``REWIND_KAFKA_CLUSTER_PIDFILES``: ``REWIND_TEST_CLUSTER=1 scripts/test`` starts it); without
-it they are deselected with a warning, in CI too.
+``REWIND_KAFKA_CLUSTER_PIDFILES``; ``scripts/test`` starts it unless ``REWIND_TEST_CLUSTER=0``);
+without it they are deselected with a warning, and in CI the run fails.
 """
 
 from __future__ import annotations
@@ -58,16 +58,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             i for i in items if i.get_closest_marker("kafka") or
             getattr(getattr(i, "callspec", None), "params", {}).get("backend") == "kafka"])
     if not (CLUSTER and REDIS):
-        # The cluster is opt-in (REWIND_TEST_CLUSTER=1 scripts/test), even in CI.
         _deselect(config, items, "REWIND_TEST_KAFKA_CLUSTER / REWIND_TEST_REDIS", "kafka cluster",
-                  [i for i in items if i.get_closest_marker("kafka_cluster")], required=False)
+                  [i for i in items if i.get_closest_marker("kafka_cluster")])
 
 
 def _deselect(config: pytest.Config, items: list[pytest.Item], variables: str, what: str,
-              needs: list[pytest.Item], required: bool = True) -> None:
+              needs: list[pytest.Item]) -> None:
     if not needs:
         return
-    if REQUIRE and required:
+    if REQUIRE:
         raise pytest.UsageError(f"{variables} are unset: run the suite via scripts/test")
     config.hook.pytest_deselected(items=needs)
     items[:] = [i for i in items if i not in needs]

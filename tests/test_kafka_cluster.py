@@ -18,11 +18,12 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import pytest
 from confluent_kafka.admin import AdminClient
@@ -41,35 +42,85 @@ MIN_COMMITS = 100
 PACE_S = 0.1  # between commits: a few hundred versions per run, not thousands
 
 
-# ---------------------------------------------------------------------------- the trainer
-def train(log_url: str, coord_url: str, run_id: str, stop_file: Path) -> None:
-    """Commit a tiny model with wait=True until ``stop_file`` exists (and MIN_COMMITS are
-    done); print ``commit VERSION STARTED_AT SECONDS DIGEST`` after each."""
+# ---------------------------------------------------------------------------- the processes
+def _model() -> tuple[Any, Any]:
     import torch
 
-    from eventlog import RunAddress
-    from rewind import Recorder
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(log_url: str, coord_url: str, run_id: str, stop_file: Path, mode: str, snapshots: str) -> None:
+    """Commit a tiny model until ``stop_file`` exists (and, waiting, MIN_COMMITS are done), taking a
+    snapshot every 10 versions. ``wait``: ``commit(step, wait=True)``, then print ``commit
+    VERSION STARTED_AT SECONDS DIGEST MODEL_DIGEST``. ``nowait``: commits stay in flight;
+    print ``queued STEP DIGEST`` as each is queued and the ``commit`` line once it is durable.
+    Restores first: a restart prints ``restored STEP DIGEST``."""
+    import torch
+
+    from rewind import Recorder, RunAddress, Snapshots, every_versions, keep_last
     from rewind.demo.digest import digest_of
 
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model, opt = _model()
     x, y = torch.randn(64, 16), torch.randn(64, 4)
-    with Recorder(RunAddress(log_url, coord_url, run_id), model, opt, rng=False, shards=1) as rec:
-        step = 0
-        while step < MIN_COMMITS or not stop_file.exists():
+    out = threading.Lock()
+
+    def say(line: str) -> None:
+        with out:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+
+    address = RunAddress(log_url, coord_url, run_id, snapshots)
+    with Recorder(address, model, opt, rng=False, shards=1,
+                  snapshots=Snapshots(every_versions(10), keep=keep_last(3))) as rec:
+        start = rec.restore()
+        step = 0 if start.fresh else int(start.step or 0)
+        if not start.fresh:
+            say(f"restored {step} {digest_of({'model': model, 'optimizer': opt})}")
+        while (mode == "wait" and step < MIN_COMMITS) or not stop_file.exists():
             step += 1
             opt.zero_grad()
             ((model(x) - y) ** 2).mean().backward()
             opt.step()
-            started, t0 = time.time(), time.monotonic()
-            result = rec.commit(step, wait=True).result()
-            seconds = time.monotonic() - t0
             digest = digest_of({"model": model, "optimizer": opt})
-            print(f"commit {result.version} {started:.3f} {seconds:.3f} {digest}", flush=True)
+            model_digest = digest_of({"model": model})
+            started, t0 = time.time(), time.monotonic()
+            if mode == "nowait":
+                say(f"queued {step} {digest}")
+
+            def done(future: Any, started: float = started, t0: float = t0, digest: str = digest,
+                     model_digest: str = model_digest) -> None:
+                if future.exception() is None:
+                    result = future.result()
+                    say(f"commit {result.version} {started:.3f} {time.monotonic() - t0:.3f} "
+                        f"{digest} {model_digest}")
+
+            rec.commit(step, wait=mode == "wait").add_done_callback(done)
             time.sleep(PACE_S)
+
+
+def follow(log_url: str, coord_url: str, run_id: str, stop_file: Path) -> None:
+    """Follow the run's newest version until ``stop_file`` exists; print ``followed VERSION
+    MODEL_DIGEST`` each time the model moves (and a last poll after the stop)."""
+    from rewind import Follower, RunAddress, RunNotFoundError
+    from rewind.demo.digest import digest_of
+
+    model, _ = _model()
+    with Follower(RunAddress(log_url, coord_url, run_id), model, max_lag=4) as follower:
+        while True:
+            stopping = stop_file.exists()
+            try:
+                moved = follower.poll().mode != "noop"
+            except RunNotFoundError:
+                moved = False
+            if moved:
+                print(f"followed {follower.version} {digest_of({'model': model})}", flush=True)
+            if stopping:
+                return
+            time.sleep(0.2)
 
 
 # ---------------------------------------------------------------------------- the test side
@@ -79,30 +130,60 @@ class Commit:
     started: float  # wall clock
     seconds: float
     digest: str
+    model_digest: str
 
 
-class Trainer:
-    """The trainer subprocess and what it printed so far."""
+class Child:
+    """A subprocess of this module, its output in files (read while it runs)."""
 
-    def __init__(self, tmp_path: Path, run_id: str) -> None:
-        self.log_url = f"kafka://{CLUSTER}?prefix=rewindcluster&replication=3"
-        self.coord_url, self.run_id = REDIS, run_id
-        self.stop_file = tmp_path / "stop"
-        self.stderr_path = tmp_path / "trainer.err"
-        self._out_path = tmp_path / "trainer.out"
+    def __init__(self, tmp_path: Path, name: str, args: list[str]) -> None:
+        self.stderr_path = tmp_path / f"{name}.err"
+        self._out_path = tmp_path / f"{name}.out"
         self._out: IO[str] = self._out_path.open("w")
         self._err: IO[str] = self.stderr_path.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.test_kafka_cluster", self.log_url, self.coord_url,
-             run_id, str(self.stop_file)], cwd=ROOT, stdout=self._out, stderr=self._err, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.test_kafka_cluster", *args], cwd=ROOT,
+                                     stdout=self._out, stderr=self._err, text=True)
+
+    def lines(self, kind: str) -> list[list[str]]:
+        """The printed lines that start with ``kind``, split into words."""
+        return [line.split()[1:] for line in self._out_path.read_text().splitlines()
+                if line.startswith(f"{kind} ")]
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()[-3000:]
+
+    def wait(self, timeout: float = 120) -> None:
+        try:
+            self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self._out.close()
+            self._err.close()
+        assert self.proc.returncode == 0, self.stderr()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+        self._out.close()
+        self._err.close()
+
+
+class Trainer(Child):
+    """The trainer subprocess (``train``) and what it printed so far."""
+
+    def __init__(self, tmp_path: Path, run_id: str, mode: str = "wait", name: str = "trainer") -> None:
+        self.log_url = f"kafka://{CLUSTER}?prefix=rewindcluster&replication=3"
+        self.coord_url, self.run_id = REDIS, run_id
+        self.snapshots_url = f"file://{tmp_path / 'snapshots'}"
+        self.stop_file = tmp_path / "stop"
+        super().__init__(tmp_path, name, [mode, self.log_url, self.coord_url, run_id, str(self.stop_file),
+                                          self.snapshots_url])
 
     def commits(self) -> list[Commit]:
-        out = []
-        for line in self._out_path.read_text().splitlines():
-            if line.startswith("commit ") and line.count(" ") == 4:
-                _, version, started, seconds, digest = line.split()
-                out.append(Commit(int(version), float(started), float(seconds), digest))
-        return out
+        """The acknowledged commits, by version."""
+        done = [Commit(int(v), float(at), float(secs), d, m) for v, at, secs, d, m in self.lines("commit")]
+        return sorted(done, key=lambda c: c.version)
 
     def wait_for(self, count: int, timeout: float, why: str) -> list[Commit]:
         """Wait until ``count`` commits are acknowledged."""
@@ -116,20 +197,15 @@ class Trainer:
         raise AssertionError(f"{why}: {len(self.commits())} commits after {timeout:.0f} s, "
                              f"not {count}\n{self.stderr()}")
 
-    def stderr(self) -> str:
-        return self.stderr_path.read_text()[-3000:]
-
     def finish(self) -> list[Commit]:
         self.stop_file.touch()
-        try:
-            self.proc.wait(120)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self._out.close()
-            self._err.close()
-        assert self.proc.returncode == 0, self.stderr()
+        self.wait()
         return self.commits()
+
+    def follower(self, tmp_path: Path, stop_file: Path) -> Child:
+        """A follower of this run, until ``stop_file`` exists."""
+        return Child(tmp_path, "follower", ["follow", self.log_url, self.coord_url, self.run_id,
+                                             str(stop_file)])
 
 
 def _partitions(topic: str) -> dict[int, tuple[int, list[int]]]:
@@ -193,14 +269,18 @@ def _replayed(proc: subprocess.Popen[str]) -> dict[str, object]:
     return report
 
 
-def _assert_all_sealed(trainer: Trainer, commits: list[Commit]) -> None:
+def _sealed(trainer: Trainer) -> list[int]:
+    """The run's sealed versions, as a reader sees them."""
     from eventlog import RunAddress
     from eventlog.fold.engine import index_control
 
     with RunAddress(trainer.log_url, trainer.coord_url, trainer.run_id).open_log() as log:
-        sealed = sorted(index_control(log).seals)
+        return sorted(index_control(log).seals)
+
+
+def _assert_all_sealed(trainer: Trainer, commits: list[Commit]) -> None:
     assert [c.version for c in commits] == list(range(1, len(commits) + 1))
-    assert sealed == list(range(1, len(commits) + 1))
+    assert _sealed(trainer) == list(range(1, len(commits) + 1))
 
 
 def _slow(commits: list[Commit], bound: float) -> list[tuple[int, float]]:
@@ -249,24 +329,32 @@ def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.Monke
         kafka_calls.failover("reading offsets of t [0]", ask, lambda timeout: None)
 
 
+def _kill_leader(topic: str) -> tuple[int, int, float]:
+    """SIGKILL the leader of ``topic`` [0]; returns its node, pid and wall time."""
+    leader = _partitions(topic)[0][0]
+    return leader, _kill(leader), time.time()
+
+
 @pytest.mark.kafka_cluster
 @pytest.mark.slow
-def test_leader_kills_lose_nothing_and_commits_go_on(tmp_path: Path, cluster: None) -> None:
+def test_leader_kills_lose_nothing_and_commits_snapshots_followers_go_on(
+        tmp_path: Path, cluster: None) -> None:
     run_id = f"c{os.urandom(5).hex()}"
     trainer = Trainer(tmp_path, run_id)
+    follower = trainer.follower(tmp_path, tmp_path / "stop-follower")
     control, tensors = f"rewindcluster.{run_id}.control", f"rewindcluster.{run_id}.tensors"
     notes: list[tuple[str, float]] = []
     reports: list[dict[str, object]] = []
     seen = len(trainer.wait_for(20, 120, "before the first kill"))
-    restart = None
+    restart, at_kill = None, 0
     for topic in (control, tensors):
         if restart is not None:  # the next kill must leave min.insync.replicas
             _started(restart)
             _wait_in_sync([control, tensors])
-        leader = _partitions(topic)[0][0]
-        pid, killed_at = _kill(leader), time.time()
+        leader, pid, killed_at = _kill_leader(topic)
         replay = _replay(trainer)  # started right after the kill, while the partition is leaderless
         assert time.time() - killed_at < 1.0
+        at_kill = len(trainer.commits())
         _gone(pid)
         seen = len(trainer.wait_for(seen + 10, 120, f"after killing node {leader}, leader of {topic}"))
         restart = _start(leader)
@@ -274,6 +362,8 @@ def test_leader_kills_lose_nothing_and_commits_go_on(tmp_path: Path, cluster: No
         notes.append((f"leader of {topic.rsplit('.', 1)[1]} [0] (node {leader})", killed_at))
     seen = len(trainer.wait_for(max(MIN_COMMITS, seen + 10), 120, "after the restarts"))
     commits = trainer.finish()
+    (tmp_path / "stop-follower").touch()  # its last poll comes after the trainer's last commit
+    follower.wait()
     for what, at in notes:
         print(f"commit latencies around the kill of the {what}: {_around(commits, at)}")
     _assert_all_sealed(trainer, commits)
@@ -281,35 +371,72 @@ def test_leader_kills_lose_nothing_and_commits_go_on(tmp_path: Path, cluster: No
     for report in reports:
         assert report["state_digest"] == digests[int(str(report["version"]))]
     assert not _slow(commits, COMMIT_BOUND_S), trainer.stderr()
+    # The follower went on through both kills, to the last version, every step verified.
+    followed = [(int(v), d) for v, d in follower.lines("followed")]
+    model_digests = {c.version: c.model_digest for c in commits}
+    assert followed[-1][0] == len(commits)
+    assert all(model_digests[v] == d for v, d in followed)
+    assert any(at_kill < v < len(commits) for v, _ in followed), "the follower stalled at the kills"
+    # The trainer's snapshotter went on too: the newest snapshot is after the second kill.
+    final = _replayed(_replay(trainer))
+    assert final["state_digest"] == commits[-1].digest
+    assert int(str(final["snapshot_version"])) > at_kill
     assert restart is not None
     _started(restart)
 
 
 @pytest.mark.kafka_cluster
 @pytest.mark.slow
-def test_below_min_insync_replicas_commits_block_then_complete(tmp_path: Path, cluster: None) -> None:
+def test_commits_in_flight_through_kills_and_below_min_insync_replicas_lose_nothing(
+        tmp_path: Path, cluster: None) -> None:
+    """``commit(wait=False)``: versions in flight while the control leader dies, then while a
+    second broker dies (below ``min.insync.replicas``: commits block and say why), complete
+    once one broker returns; a trainer killed with commits in flight restores bit-exact."""
     run_id = f"c{os.urandom(5).hex()}"
-    trainer = Trainer(tmp_path, run_id)
-    seen = len(trainer.wait_for(10, 120, "before the kills"))
-    _gone(_kill(2), _kill(3))
-    killed_at = time.monotonic()
-    # At most the commit in flight at the kill completes; then they block, and say why.
-    time.sleep(13)
+    trainer = Trainer(tmp_path, run_id, mode="nowait")
+    control, tensors = f"rewindcluster.{run_id}.control", f"rewindcluster.{run_id}.tensors"
+    seen = len(trainer.wait_for(20, 120, "before the first kill"))
+    first, pid, _ = _kill_leader(control)
+    _gone(pid)
+    seen = len(trainer.wait_for(seen + 5, 120, "after the control leader's kill"))
+    _, pid, _ = _kill_leader(tensors)
+    _gone(pid)
+    deadline = time.monotonic() + 60
+    while "min.insync.replicas" not in trainer.stderr():
+        assert time.monotonic() < deadline, f"no warning while commits block: {trainer.stderr()}"
+        time.sleep(0.2)
     blocked = len(trainer.commits())
-    assert blocked <= seen + 2, f"{blocked - seen} commits completed with 1 of 3 brokers up"
     assert "commit not acknowledged after" in trainer.stderr()
-    assert "min.insync.replicas" in trainer.stderr()
-    _started(_start(2))
+    time.sleep(2)
+    assert len(trainer.commits()) == blocked, "a commit completed with 1 of 3 brokers up"
+    assert len(trainer.lines("queued")) > blocked, "no commit was in flight while they blocked"
+    _started(_start(first))
     trainer.wait_for(blocked + 10, 120, "after one broker returned")
-    print(f"10 commits after the return, {time.monotonic() - killed_at:.1f} s after the kills")
-    restart = _start(3)
-    commits = trainer.finish()
-    _assert_all_sealed(trainer, commits)
-    replayed = _replayed(_replay(trainer))
-    assert replayed["version"] == len(commits)
-    assert replayed["state_digest"] == commits[-1].digest
-    _started(restart)
+    # Kill the trainer at a moment when a queued commit is not yet acknowledged.
+    while True:
+        queued = {int(step): digest for step, digest in trainer.lines("queued")}
+        if len(queued) > len(trainer.commits()):
+            trainer.kill()
+            break
+        time.sleep(0.005)
+    acknowledged = [c.version for c in trainer.commits()]
+    _started(_start())
+    again = Trainer(tmp_path, run_id, mode="nowait", name="restarted")
+    again.wait_for(1, 120, "after the restart")
+    again.finish()
+    # Every acknowledged version survived; the restore is one queued step, bit for bit.
+    [(step, digest)] = again.lines("restored")
+    assert int(step) >= acknowledged[-1] and queued[int(step)] == digest
+    assert acknowledged == list(range(1, len(acknowledged) + 1))
+    assert _sealed(trainer) == list(range(1, int(step) + len(again.commits()) + 1))
+    verified = subprocess.run(
+        [sys.executable, "-c", "from rewind.cli import main; main()", "verify", "--log", trainer.log_url,
+         "--coord", trainer.coord_url, "--run", run_id], capture_output=True, text=True, timeout=300)
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
 
 
 if __name__ == "__main__":
-    train(sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4]))
+    if sys.argv[1] == "follow":
+        follow(sys.argv[2], sys.argv[3], sys.argv[4], Path(sys.argv[5]))
+    else:
+        train(sys.argv[2], sys.argv[3], sys.argv[4], Path(sys.argv[5]), sys.argv[1], sys.argv[6])

@@ -42,6 +42,8 @@ _TRANSIENT = {
     # the new leader.
     KafkaError._DESTROY_BROKER, KafkaError._NODE_UPDATE,
     KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
+    # A new leader answers offset queries only once its high watermark caught up.
+    KafkaError.OFFSET_NOT_AVAILABLE,
 }
 #: Errors saying a topic or partition does not exist.
 UNKNOWN = {KafkaError._UNKNOWN_PARTITION, KafkaError._UNKNOWN_TOPIC,
