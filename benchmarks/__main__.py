@@ -3,6 +3,7 @@
     python -m benchmarks [--size 100M|25M|5M] [--json out.json] [--repeats N]
                          [--only scenario,...] [--kafka BOOTSTRAP --redis URL]
     python -m benchmarks --sizes 1M,5M,25M,100M [--json out.json]   # one column per size
+    python -m benchmarks --only multirank [--size 25M] [--ranks 2,4]  # FSDP2 (torchrun) vs DCP
 
 Prints a table of figures, ratios and the issue's targets (PASS/MISS), and writes every
 figure to JSON under stable keys: ``meta``, one object per scenario
@@ -27,7 +28,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import sizes
+from . import multirank, sizes
 from .model import parse_size
 from .scenarios import RECOVERY_LIMIT, SCENARIOS, Config, run_all
 
@@ -247,7 +248,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="Adam steps before the first commit (the bytes target is after 100)")
     ap.add_argument("--codec-steps", type=int, default=100,
                     help="Adam steps of the predictive vs XOR comparison (default 100)")
-    ap.add_argument("--only", help=f"comma-separated scenarios: {','.join(SCENARIOS)}")
+    ap.add_argument("--only", help=f"comma-separated scenarios: {','.join(SCENARIOS)}; and "
+                    f"{multirank.SCENARIO} (FSDP2 under torchrun vs DCP, only when named; default 25M)")
+    ap.add_argument("--ranks", help="world sizes of the multirank scenario (default 2,4)")
     ap.add_argument("--kafka", help="Kafka bootstrap (host:port) or kafka:// URL")
     ap.add_argument("--redis", help="Redis URL for the Kafka run's coordinator")
     ap.add_argument("--kafka-home", help="dir with Kafka's jars (default $REWIND_KAFKA_HOME)")
@@ -267,9 +270,10 @@ def main(argv: list[str] | None = None) -> int:
     only = set(SCENARIOS)
     if args.only:
         only = {s.strip() for s in args.only.split(",") if s.strip()}
-        unknown = only - set(SCENARIOS)
+        unknown = only - set(SCENARIOS) - {multirank.SCENARIO}
         if unknown:
-            ap.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: {', '.join(SCENARIOS)}")
+            ap.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: "
+                     f"{', '.join((*SCENARIOS, multirank.SCENARIO))}")
     console = Console(stderr=False)
     if not console.is_terminal:
         console = Console(stderr=False, width=150)
@@ -281,6 +285,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             console.print(f"figures written to {args.json}")
         return 0
+    multi: dict[str, Any] | None = None
+    if multirank.SCENARIO in only:
+        only.discard(multirank.SCENARIO)
+        try:
+            multi = multirank.run_from_args(args, log)
+        except ValueError as exc:
+            ap.error(str(exc))
+        console.print(multirank.table(multi))
+        if not only:
+            if args.json:
+                write_json(args.json, multi)
+                console.print(f"figures written to {args.json}")
+            return 0
     args.size = args.size or "100M"
     params = parse_size(args.size)
     repeats = args.repeats if args.repeats is not None else (3 if params < 50_000_000 else 2)
@@ -303,7 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         load_average=os.getloadavg(),
     )
     results["targets"] = evaluate(results)
-    ordered = {k: results[k] for k in ("meta", *SCENARIOS, "targets") if k in results}
+    if multi is not None:
+        results[multirank.SCENARIO] = multi[multirank.SCENARIO]
+        results["targets"].update(multi["targets"])
+        meta[multirank.SCENARIO] = multi["meta"]
+    ordered = {k: results[k] for k in ("meta", *SCENARIOS, multirank.SCENARIO, "targets") if k in results}
     console.print(table(ordered))
     console.print(f"wall time {meta['wall_s']:.0f} s; load average at end "
                   f"{', '.join(f'{x:.2f}' for x in meta['load_average'])}")
