@@ -1,4 +1,5 @@
-"""glibc malloc tuning for the processes that replay a log (the ``rewind`` CLI's jobs).
+"""glibc malloc tuning for the processes that replay a log (the ``rewind`` CLI's jobs), and
+the recorder's ``trim`` after each commit.
 
 A replay reads thousands of tensor-chunk payloads of 4 MiB, each a new ``bytes`` object,
 freed once its optimizer step or delta has run. With glibc's default, whose mmap threshold
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import platform
+from typing import Any
 
 from eventlog.settings import Settings, current
 
@@ -44,3 +46,25 @@ def _user_tuned() -> bool:
     env = os.environ
     return any(f"MALLOC_{name}_" in env for name in ("MMAP_THRESHOLD", "TRIM_THRESHOLD")) \
         or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+
+
+_TRIM: list[Any] = []  # glibc's malloc_trim (or None), looked up once
+
+
+def trim() -> bool:
+    """Give the free pages of every malloc arena back to the kernel (glibc's
+    ``malloc_trim(0)``); returns whether any were. The recorder calls it after each commit:
+    the chunks its codec threads allocate and free while encoding a version stay resident in
+    those threads' arenas otherwise, and the next version reuses at most part of them. A
+    no-op on other C libraries."""
+    if not _TRIM:
+        fn = None
+        if platform.libc_ver()[0] == "glibc":
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _TRIM.append(fn)
+    fn = _TRIM[0]
+    return bool(fn(0)) if fn is not None else False

@@ -33,7 +33,10 @@ def world_size() -> int:
 def environment(reason: str) -> EnvironmentFingerprint:
     """This process's environment, as a fingerprint event (``reason``: start or resume)."""
     cudnn = torch.backends.cudnn
-    cudnn_version = cudnn.version() if cudnn.is_available() else None  # type: ignore[no-untyped-call]
+    # Without a GPU cuDNN is never used: loading its libraries for their version alone
+    # would map tens of MB of code into the process.
+    cudnn_version = (cudnn.version() if torch.cuda.is_available() and cudnn.is_available()  # type: ignore[no-untyped-call]
+                     else None)
     return EnvironmentFingerprint(
         reason=reason,
         torch_version=str(torch.__version__),

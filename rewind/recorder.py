@@ -58,18 +58,20 @@ from eventlog.events import (
     TensorDelta,
     TensorSpec,
 )
-from eventlog.fold.engine import index_control
+from eventlog.fold.apply import ShardState, TensorBits
+from eventlog.fold.engine import SmallStates, index_control
 from eventlog.layout import assign_shards, config_digest
 from eventlog.optimstep import CapturedStep, StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog, LogTransaction
 from eventlog.settings import Settings, current
+from replayer.assemble import full_state
 from replayer.replay import Restorer
 from replayer.replay import restorer as restorer_of
-from rewind import distributed, fingerprint
+from rewind import allocator, distributed, fingerprint
 from rewind.snapshots import Snapshots, with_store
 from schemas import SCHEMA_VERSION
 from snapshotter.policies import Trigger
-from snapshotter.service import SnapshotterThread
+from snapshotter.service import CommittedSnapshots, SnapshotSource, SnapshotterThread
 
 REWIND_VERSION = "0.1.0"
 T = TypeVar("T")
@@ -158,9 +160,10 @@ class Recorder:
 
     ``restore()`` loads the newest sealed version: from the newest valid snapshot plus the
     versions after it in the log (through ``replayer.replay``). ``snapshots`` (a trigger such
-    as ``every_versions(100)``, or ``Snapshots(...)``) has this recorder take them: a
-    snapshotter runs for the run in a thread of this process from the first ``commit()``
-    until ``close()``, which first lets it take the snapshot that is due. ``restorer``
+    as ``every_versions(100)``, or ``Snapshots(...)``) has this recorder take them: when the
+    trigger fires, the committer writes the version it has just committed from its own copy
+    of it (the base of the next commit: no extra copy of the state), and ``close()`` first
+    takes the snapshot that is due (``rewind.snapshots``). ``restorer``
     replaces how ``restore()`` rebuilds the state (an advanced hook; see
     ``replayer.replay.restorer``).
 
@@ -230,7 +233,7 @@ class Recorder:
         self._shards = shards
         self._chunk_bytes = chunk_bytes
         self._restorer = restorer or restorer_of(self.address)
-        self._snapshotter: SnapshotterThread | None = None
+        self._snapshotter: CommittedSnapshots | SnapshotterThread | None = None
         self._group = None if group is None else distributed.RankGroup(group)
         if self._group is not None:
             predictive = False  # its step plan knows no DTensors yet: XOR deltas
@@ -257,6 +260,7 @@ class Recorder:
         # Multi-rank: the global layout, the versions an unsealed part took (never reused).
         self._global_specs: tuple[TensorSpec, ...] = ()
         self._skip = 0
+        self._refuse = ""  # why commit() refuses (a multi-rank run restored without group=)
         if self._group is not None:
             self._start_group(shards)
         self._serialize = serde.EnvelopeSerializer()
@@ -267,6 +271,7 @@ class Recorder:
         self._prev_chunks: dict[str, list[bytes]] = {}
         self._specs: tuple[TensorSpec, ...] = ()
         self._small: dict[str, bytes] = {}
+        self._layout: RunStarted | None = None  # the base version's (a snapshot records it)
         self._grad_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused across versions
         # Staging buffer sets freed by a commit (the base it replaced), newest last: reused
         # newest first, so a trainer that waits for each commit only ever has two sets (this
@@ -303,14 +308,20 @@ class Recorder:
         optimistic: it fails with ``StaleVersionError`` unless the run is at that version.
         """
         self._check_usable()
+        if self._refuse:
+            raise ConfigError(self._refuse)
         if self._snapshots is not None and self._snapshotter is None:
-            # Started here, not in __init__: a restore does not share the machine with it.
-            self._snapshotter = self._snapshots.start(self.address, f"{self.writer_id}.snapshotter")
+            # Made here, not in __init__: a restore does not share the machine with it. A
+            # single process writes each snapshot from its commit base (the version just
+            # committed); a multi-rank one holds only its part, so rank 0 folds the log.
+            holder = f"{self.writer_id}.snapshotter"
+            self._snapshotter = (self._snapshots.committed(self.address, holder) if self._group is None
+                                 else self._snapshots.start(self.address, holder))
         replicated: frozenset[str] = frozenset()
         if self._group is None:
             tensors, small = self._capture()
         else:
-            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank)
+            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world)
             tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
@@ -370,13 +381,18 @@ class Recorder:
             # and the coordinator forgets any version the crashed commit had claimed.
             self._coord.reset_version(self.run_id, 0)
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
-        load_into(self._objects, state)
+        world = distributed.recorded_world(state)
+        load_into(self._objects, full_state(state) if world else state)
+        if world:
+            self._refuse = (f"run {self.run_id!r} was recorded by {world} ranks: a Recorder without group= "
+                            "restores it (full tensors, rank 0's other states) but cannot record into it; "
+                            "continue it with group= at a world size that divides its shard count")
         if self._steps is not None:
             self._steps.take()  # steps taken before the restore led to another state
         # The restored state becomes the XOR base of the next commit.
         self._prev = {n: t.bits.copy() for s in state.shards for n, t in s.tensors.items()}
         self._prev_chunks = {}
-        self._specs = state.layout.tensors
+        self._specs, self._layout = state.layout.tensors, state.layout
         # Chunk boundaries are part of the digests: keep the run's, whatever this process set.
         self._chunk_bytes = state.layout.chunk_bytes
         self._small = dict(state.small.states)
@@ -403,7 +419,11 @@ class Recorder:
         self._closed = True
         self._jobs.put(None)
         self._committer.join()
-        if self._snapshotter is not None:
+        if isinstance(self._snapshotter, CommittedSnapshots):
+            if self._failure is None:
+                self._offer_snapshot()  # the one a time trigger made due since the last commit
+            self._snapshotter.close()
+        elif self._snapshotter is not None:
             self._snapshotter.stop(final=self._failure is None)
         if self._steps is not None:
             self._steps.close()
@@ -452,9 +472,16 @@ class Recorder:
                     job.future.set_exception(self._failure)
                 else:
                     job.future.set_result(self._write(job) if self._group is None else self._write_group(job))
+                    # The version's encode buffers go back to the kernel before the trainer's
+                    # next step allocates: they are not held while a snapshot is written.
+                    allocator.trim()
+                    # After the result: training goes on meanwhile, and the next commit is
+                    # written once the snapshot no longer reads the base it replaces.
+                    self._offer_snapshot()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 self._failure = exc
-                job.future.set_exception(exc)
+                if not job.future.done():
+                    job.future.set_exception(exc)
             finally:
                 self._staging_slots.release()
                 # Not held while waiting for the next job: its gradients would stay pinned
@@ -480,11 +507,13 @@ class Recorder:
         encode_seconds = time.perf_counter() - t_encode
 
         control: list[Body] = []
+        layout = self._layout
         if relayout:
-            control.append(RunStarted(
+            layout = RunStarted(
                 self._shards, specs, tuple(sorted(job.small)), config_digest(specs, list(job.small)),
                 torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
-                REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes))
+                REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes)
+            control.append(layout)
             if version == 1:
                 control.append(fingerprint.environment(EnvironmentFingerprint.START))
         for name, state in sorted(job.small.items()):
@@ -538,8 +567,31 @@ class Recorder:
                 self._coord.compare_and_set_version(self.run_id, version, base)
             raise
         self._advance(job, specs, chunk_digests, dict(job.small), version, gsn - 1)
+        self._layout = layout
         return CommitResult(version, job.step, gsn - first, raw, enc, time.perf_counter() - t0, codec,
                             residual, encode_seconds)
+
+    def _offer_snapshot(self) -> None:
+        """Let the snapshots write the base version (just committed), if their trigger says so."""
+        if isinstance(self._snapshotter, CommittedSnapshots) and self._version and self._prev \
+                and self._snapshotter.offer(self._version, self._snapshot_source) is not None:
+            allocator.trim()  # what the snapshot's writer threads freed
+
+    def _snapshot_source(self, control_next: int) -> SnapshotSource:
+        """The base version's whole state for a snapshot, without copies: its bits are the
+        base buffers (untouched until the next commit is written), ``control_next`` the control
+        offset after its seal. Every event of this version and of the ones before has a gsn
+        at or below the seal's, the applied gsn of every shard."""
+        sealed = self._last_gsn
+        shards = [ShardState(s, applied_gsn=sealed, version=self._version,
+                             next_offset=self._log.end_offset(s)) for s in range(self._shards)]
+        for spec in self._specs:
+            bits = self._prev[spec.name]
+            shards[spec.shard].tensors[spec.name] = TensorBits(spec.dtype, tuple(spec.shape), bits)
+        kinds = {name: _KINDS.get(name, CustomState).__name__ for name in self._small}
+        small = SmallStates(dict(self._small), kinds, sealed, next_offset=control_next)
+        assert self._layout is not None, "a committed or restored version has a layout"
+        return SnapshotSource(self._version, shards, small, self._layout)
 
     def _advance(self, job: _Job, specs: tuple[TensorSpec, ...], chunk_digests: dict[str, list[bytes]],
                  small: dict[str, bytes], version: int, last_gsn: int) -> None:
@@ -562,7 +614,7 @@ class Recorder:
         total = self._log.shard_count() or shards * g.world
         if total % g.world:
             raise ConfigError(f"run {self.run_id!r} has {total} tensor shards, which {g.world} ranks "
-                              "cannot share evenly (restoring at another world size is not supported yet)")
+                              "cannot share evenly: restore it at a world size that divides that count")
         if g.rank == 0:
             self._log.create(total)
         g.barrier()  # the partitions exist before any rank writes its part
@@ -691,12 +743,17 @@ class Recorder:
         newest = max(max(v for _, v, _ in seen), sealed)
         floor = max(t for _, _, t in seen)
         if state is not None:
-            distributed.load_rank(self._objects, state, g.rank)
+            distributed.load_rank(self._objects, state, g.rank, g.world)
             mine = set(distributed.owned_shards(g.rank, self._per_rank))
-            self._specs = tuple(s for s in state.layout.tensors if s.shard in mine)
             self._global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
-            self._prev = {n: t.bits.copy() for s in state.shards if s.shard in mine
-                          for n, t in s.tensors.items()}
+            if distributed.recorded_world(state) == g.world:
+                self._specs = tuple(s for s in state.layout.tensors if s.shard in mine)
+                self._prev = {n: t.bits.copy() for s in state.shards if s.shard in mine
+                              for n, t in s.tensors.items()}
+            else:
+                # Resharded: the shards this rank now owns held other ranks' tensors, so its
+                # first commit writes every tensor in full (the new layout drops the old names).
+                self._specs, self._prev = (), {}
             self._chunk_bytes = state.layout.chunk_bytes
             self._small = dict(state.small.states)
             floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])

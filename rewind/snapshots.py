@@ -1,10 +1,11 @@
 """Snapshots of a recorded run, taken from inside the trainer: ``Recorder(..., snapshots=...)``.
 
-The recorder runs a snapshotter for its run in a thread of the trainer's process while it is
-open: it follows the log, keeps the newest sealed state folded (one copy of the tensor state,
-besides the trainer's own and the recorder's commit base), and writes a snapshot whenever
-the trigger fires. A restore then starts from the newest valid snapshot and replays only the
-versions after it.
+Whenever the trigger fires, the recorder's committer writes a snapshot of the version it has
+just committed, from its own copy of that version (the base of its next commit): no fold
+and no extra copy of the state in the trainer (``snapshotter.service.CommittedSnapshots``).
+A multi-rank recorder holds only its own part of the state: rank 0 runs a snapshotter that
+folds the log in a thread instead. A restore then starts from the newest valid snapshot and
+replays only the versions after it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from eventlog.backends import RunAddress
 from eventlog.embedded import path_from_url
 from eventlog.errors import ConfigError
 from snapshotter.policies import Retention, Trigger, every_seconds, every_versions, keep_last
-from snapshotter.service import Snapshotter, SnapshotterConfig, SnapshotterThread
+from snapshotter.service import CommittedSnapshots, Snapshotter, SnapshotterConfig, SnapshotterThread
 from snapshotter.store import SnapshotStore
 
 
@@ -71,18 +72,26 @@ class Snapshots:
         )
 
     def start(self, address: RunAddress, holder: str) -> SnapshotterThread:
-        """Start a snapshotter for ``address`` (with its store set) in a thread of this process.
+        """Start a snapshotter for ``address`` (with its store set) in a thread of this process;
+        it folds the log (a multi-rank run, whose ranks each hold a part of the state).
 
         ``holder`` names its lease: a restarted trainer with the same name takes the lease of
         its killed predecessor back at once, instead of waiting for it to expire."""
+        thread = SnapshotterThread(self._snapshotter(address, holder))
+        thread.start()
+        return thread
+
+    def committed(self, address: RunAddress, holder: str) -> CommittedSnapshots:
+        """Snapshots a recorder for ``address`` (with its store set) writes from the versions
+        it commits (``holder``: as for ``start``)."""
+        return CommittedSnapshots(self._snapshotter(address, holder))
+
+    def _snapshotter(self, address: RunAddress, holder: str) -> Snapshotter:
         assert address.snapshots_url, "store_url() sets the address's store first"
         config = SnapshotterConfig(
             trigger=self.trigger, retention=self.keep,
             history="since-oldest-snapshot" if self.truncate else "keep-all")
-        thread = SnapshotterThread(Snapshotter(address, SnapshotStore(address.snapshots_url), config,
-                                               holder=holder))
-        thread.start()
-        return thread
+        return Snapshotter(address, SnapshotStore(address.snapshots_url), config, holder=holder)
 
 
 def with_store(address: RunAddress, snapshots: Snapshots) -> RunAddress:

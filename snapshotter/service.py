@@ -87,6 +87,19 @@ class SnapshotResult:
     truncated_before: list[int] | None
 
 
+@dataclass(frozen=True)
+class SnapshotSource:
+    """The whole state of one sealed version, as a snapshot is written from it: a
+    snapshotter's folded state, or the recorder's copy of the version it just committed."""
+
+    version: int
+    #: Each shard's tensors, the gsn applied to it and the partition offset after the
+    #: version (``Manifest.applied_gsns`` and ``next_offsets``).
+    shards: list[ShardState]
+    small: SmallStates
+    layout: RunStarted
+
+
 class Snapshotter:
     """Folds one run's log and snapshots it; use ``run()`` as a service or call ``snapshot()``."""
 
@@ -203,37 +216,66 @@ class Snapshotter:
         if self.version == 0 or self.version == self._last_snapshot_version or not (force or self.due()):
             return None
         assert self._idx is not None
+        return self.publish(SnapshotSource(self.version, self._shards, self._small,
+                                           self._idx.layout_at(self.version, self._base_layout)), t0)
+
+    def follow(self, version: int) -> bool:
+        """Index the control partition up to sealed ``version`` without folding any state (a
+        caller that holds the state itself, ``CommittedSnapshots``); False while the log does
+        not show that version yet. On the first call, the newest published snapshot is
+        where the trigger counts from."""
+        if self._idx is None:
+            try:
+                self._idx = index_control(self._log)
+            except RunNotFoundError:
+                return False
+            published = [m.version for m in markers(self._idx).values() if m.end is not None]
+            self._last_snapshot_version = max(published, default=0)
+        else:
+            index_control(self._log, self._idx)
+        if version not in self._idx.seals:
+            return False
+        self.version = version
+        return True
+
+    def publish(self, source: SnapshotSource, t0: float | None = None) -> SnapshotResult:
+        """Write ``source`` (the whole state of a sealed version this snapshotter has indexed)
+        as a snapshot and publish it: ``SnapshotBegin``, the files, the manifest, the lease
+        checked again, ``SnapshotEnd``, the catalog; then retention."""
+        t0 = time.perf_counter() if t0 is None else t0
+        assert self._idx is not None
         token = self.acquire()
-        info = self._idx.seals[self.version]
-        layout = self._idx.layout_at(self.version, self._base_layout)
-        sid = f"v{self.version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
-        watermark = max([self._small.applied_gsn, *(s.applied_gsn for s in self._shards)])
+        version = source.version
+        info = self._idx.seals[version]
+        layout = source.layout
+        sid = f"v{version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
+        watermark = max([source.small.applied_gsn, *(s.applied_gsn for s in source.shards)])
         self._append(SnapshotBegin(sid, watermark, token), info.version, info.step)
-        next_offsets = [self._small.next_offset, *(s.next_offset for s in self._shards)]
-        applied = [self._small.applied_gsn, *(s.applied_gsn for s in self._shards)]
+        next_offsets = [source.small.next_offset, *(s.next_offset for s in source.shards)]
+        applied = [source.small.applied_gsn, *(s.applied_gsn for s in source.shards)]
         manifest = Manifest(
             format=FORMAT, run_id=self.address.run_id, snapshot_id=sid,
             schema_version=SCHEMA_VERSION, config_digest=layout.config_digest,
-            version=self.version, step=info.step, state_digest=info.seal.state_digest.hex(),
+            version=version, step=info.step, state_digest=info.seal.state_digest.hex(),
             shard_digests=[d.hex() for d in info.seal.shard_digests],
             small_digest=info.seal.small_digest.hex(), shard_count=layout.shard_count,
             applied_gsns=applied, next_offsets=next_offsets, files=[],
             created_ms=int(time.time() * 1000), fencing_token=token,
             layout=encode_layout(layout, self.address.run_id),
-            metrics=dict(self._idx.metrics.get(self.version, {})),
+            metrics=dict(self._idx.metrics.get(version, {})),
         )
-        uri, digest = self.store.write(manifest, self._shards, self._small,
+        uri, digest = self.store.write(manifest, source.shards, source.small,
                                        workers=self.config.workers, before_manifest=self._check_lease)
         self._check_lease()
         self._append(SnapshotEnd(sid, tuple(next_offsets), tuple(applied), digest, uri, token),
                      info.version, info.step)
         self._coord.catalog_put(self.address.run_id, sid, {
-            "version": self.version, "step": info.step, "uri": uri,
+            "version": version, "step": info.step, "uri": uri,
             "metrics": manifest.metrics})
-        self._last_snapshot_version, self._last_snapshot_time = self.version, self._clock()
-        self._say(f"snapshot {sid} of version {self.version} (step {info.step}) published")
+        self._last_snapshot_version, self._last_snapshot_time = version, self._clock()
+        self._say(f"snapshot {sid} of version {version} (step {info.step}) published")
         deleted, truncated = self._retain()
-        return SnapshotResult(sid, self.version, info.step, uri, time.perf_counter() - t0,
+        return SnapshotResult(sid, version, info.step, uri, time.perf_counter() - t0,
                               deleted, truncated)
 
     def _append(self, body: Body, version: int, step: int) -> None:
@@ -397,3 +439,63 @@ class SnapshotterThread:
         if result is not None:
             self.published += 1
             self.newest = result
+
+
+class CommittedSnapshots:
+    """Snapshots that a recorder writes itself, each from the version it has just committed.
+
+    The recorder keeps every committed version's bits as the base of its next commit; a
+    snapshot is written from those very buffers (``SnapshotSource``), streamed into the shard
+    files, while no commit replaces them. So it costs the trainer no fold and no copy of the
+    state, only the time to write the files. Like ``SnapshotterThread``, it stands by while
+    another snapshotter holds the run's lease, and any other failure stops it, is logged and
+    kept in ``error``: the log still holds every version.
+    """
+
+    def __init__(self, snapshotter: Snapshotter) -> None:
+        self.snapshotter = snapshotter
+        #: The failure that stopped it, if any.
+        self.error: Exception | None = None
+        #: Snapshots it published, and the newest of them.
+        self.published = 0
+        self.newest: SnapshotResult | None = None
+        self._standby_until = -math.inf
+        self._renewed = -math.inf
+
+    def offer(self, version: int, source: Callable[[int], SnapshotSource]) -> SnapshotResult | None:
+        """Sealed ``version`` is committed: write its snapshot if the trigger asks for one,
+        from ``source(control offset after the version's seal)``. The caller keeps the
+        source's buffers unchanged until this returns."""
+        snap = self.snapshotter
+        if self.error is not None or snap._clock() < self._standby_until:
+            return None
+        try:
+            if not snap.follow(version) or version == snap._last_snapshot_version:
+                return None
+            if not snap.due():
+                # Renewed between snapshots too, so another snapshotter stands by meanwhile.
+                if snap._clock() - self._renewed > snap.config.lease_ttl_s / 3:
+                    snap.acquire()
+                    self._renewed = snap._clock()
+                return None
+            assert snap._idx is not None
+            result = snap.publish(source(snap._idx.seals[version].offset + 1))
+        except FencedError as exc:
+            # Another snapshotter serves the run: try again once its lease could have expired.
+            _log.info("%s", exc)
+            self._standby_until = snap._clock() + snap.config.lease_ttl_s
+            return None
+        except Exception as exc:  # noqa: BLE001 - training goes on without snapshots
+            self.error = exc
+            _log.warning("snapshots of run %r stopped (%s: %s); restores replay a longer tail "
+                         "of the log until a snapshotter runs again", snap.address.run_id,
+                         type(exc).__name__, exc)
+            return None
+        self._renewed = snap._clock()
+        self.published += 1
+        self.newest = result
+        return result
+
+    def close(self) -> None:
+        """Give the lease up and close connections."""
+        self.snapshotter.release()

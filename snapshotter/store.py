@@ -21,15 +21,15 @@ from typing import Any
 
 import msgpack
 import numpy as np
-import safetensors.torch
 import torch
+import xxhash
 
 from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto
 from eventlog.durability import fsync_dir
 from eventlog.fold.apply import ShardState, TensorBits
 from eventlog.fold.engine import SmallStates
 from eventlog.fold.sharing import WorkBoard, map_shared
-from eventlog.tensorcodec import itemsize, nbytes_of, torch_dtype
+from eventlog.tensorcodec import itemsize, nbytes_of
 from snapshotter.pieces import digest_hex, read_and_hash
 
 MANIFEST = "manifest.json"
@@ -143,14 +143,49 @@ def _atomic_write(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def shard_file_parts(state: ShardState) -> list[memoryview]:
+    """A shard's safetensors file (raw bits, every dtype kept exactly) as its pieces in
+    order: the header, then each tensor's bits (the state's own buffers, not copies), so a
+    writer can stream them. Widest dtypes first, and the header padded so that the data
+    starts 64-byte aligned: every tensor is aligned for its dtype in a mapped file."""
+    order = sorted(state.tensors.items(), key=lambda item: (-itemsize(item[1].dtype), item[0]))
+    header: dict[str, Any] = {"__metadata__": {"shard": str(state.shard)}}
+    pos = 0
+    for name, t in order:
+        code = _ST_CODES.get(t.dtype)
+        if code is None:
+            raise RewindError(f"shard {state.shard} tensor {name!r}: dtype {t.dtype} has no safetensors code")
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [pos, pos + len(t.bits)]}
+        pos += len(t.bits)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % _ALIGN)
+    head = memoryview(len(raw).to_bytes(8, "little") + raw)
+    return [head, *(memoryview(t.bits) for _, t in order)]  # type: ignore[arg-type]
+
+
 def shard_file_bytes(state: ShardState) -> bytes:
-    """A shard's tensors as safetensors bytes (raw bits, every dtype kept exactly)."""
-    tensors = {}
-    for name, t in state.tensors.items():
-        flat = torch.from_numpy(t.bits).view(torch_dtype(t.dtype)) if len(t.bits) else \
-            torch.empty(0, dtype=torch_dtype(t.dtype))
-        tensors[name] = flat.reshape(t.shape)
-    return bytes(safetensors.torch.save(tensors, metadata={"shard": str(state.shard)}))
+    """A shard's whole safetensors file in memory (``shard_file_parts`` joined)."""
+    return b"".join(shard_file_parts(state))
+
+
+def _stream_write(path: Path, parts: list[memoryview]) -> tuple[int, str]:
+    """Write ``parts`` to ``path`` atomically (temporary name, fsync, rename), hashing them
+    as they go; returns (bytes, xxh3-128 hex). No copy of the file is built in memory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    digest, size = xxhash.xxh3_128(), 0
+    with open(tmp, "wb", buffering=0) as f:
+        for part in parts:
+            view = part.cast("B")
+            for at in range(0, len(view), _STREAM_PIECE):
+                piece = view[at:at + _STREAM_PIECE]
+                digest.update(piece)
+                done = 0
+                while done < len(piece):  # a raw write may write less than asked
+                    done += f.write(piece[done:])
+            size += len(view)
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return size, digest.hexdigest()
 
 
 #: safetensors dtype codes -> the dtype names Rewind records (every one ``shard_file_bytes``
@@ -160,6 +195,10 @@ _ST_DTYPES = {
     "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
     "BOOL": "bool", "C64": "complex64",
 }
+#: Rewind dtype names -> safetensors dtype codes.
+_ST_CODES = {name: code for code, name in _ST_DTYPES.items()}
+#: Bytes hashed and written at a time by ``_stream_write``.
+_STREAM_PIECE = 8 * 1024 * 1024
 #: Largest safetensors header accepted (safetensors' own limit).
 _MAX_HEADER = 100_000_000
 #: Tensor data inside a loaded shard buffer starts on this boundary.
@@ -313,6 +352,9 @@ class SnapshotStore:
 
         def write_shard(state: ShardState) -> FileEntry:
             name = f"shard-{state.shard}.safetensors"
+            if keys is None:  # streamed from the state's buffers: no copy of the file in memory
+                size, digest = _stream_write(folder / name, shard_file_parts(state))
+                return FileEntry(name, size, digest)
             data = seal(name, shard_file_bytes(state))
             _atomic_write(folder / name, data)
             return FileEntry(name, len(data), digest_hex(data))

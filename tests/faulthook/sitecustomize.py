@@ -81,17 +81,25 @@ def _patch_recorder(recorder: ModuleType) -> None:
 
 
 def _patch_store(store: ModuleType) -> None:
-    atomic_write, write = store._atomic_write, store.SnapshotStore.write
+    atomic_write, stream_write, write = store._atomic_write, store._stream_write, store.SnapshotStore.write
 
-    def counting_write(path: Any, data: bytes) -> None:
-        if path.name == store.MANIFEST:
-            _kill_at("snapshot:manifest")
-        atomic_write(path, data)
+    def count(path: Any) -> None:
         if path.name.startswith("shard-"):
             with _files_lock:
                 _files["written"] += 1
                 done = _files["written"]
             _kill_at(f"snapshot:files:{done - 1}")
+
+    def counting_write(path: Any, data: bytes) -> None:
+        if path.name == store.MANIFEST:
+            _kill_at("snapshot:manifest")
+        atomic_write(path, data)
+        count(path)
+
+    def counting_stream(path: Any, parts: Any) -> Any:
+        out = stream_write(path, parts)
+        count(path)
+        return out
 
     def snapshot_write(self: Any, *args: Any, **kwargs: Any) -> Any:
         with _files_lock:
@@ -99,6 +107,7 @@ def _patch_store(store: ModuleType) -> None:
         return write(self, *args, **kwargs)
 
     setattr(store, "_atomic_write", counting_write)  # noqa: B010 - a module's private name
+    setattr(store, "_stream_write", counting_stream)  # noqa: B010 - a module's private name
     store.SnapshotStore.write = snapshot_write
 
 
