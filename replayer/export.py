@@ -13,6 +13,7 @@ import safetensors.torch
 
 from eventlog import ConfigError, RewindError
 from eventlog.fold.engine import RebuiltState
+from replayer.assemble import full_state
 from replayer.replay import ReplayReport, state_dicts, write_checkpoint
 
 FORMATS = ("torch", "safetensors", "hf")
@@ -35,9 +36,11 @@ def load_hook(spec: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
 def export(
     state: RebuiltState, report: ReplayReport, out: Path, fmt: str, config_hook: str | None = None
 ) -> list[Path]:
-    """Write ``state`` in ``fmt`` under ``out``; returns the files written."""
+    """Write ``state`` in ``fmt`` under ``out``; returns the files written. A multi-rank run
+    is written as one process would have recorded it: full tensors, rank 0's other states."""
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
+    state = full_state(state)
     if fmt == "torch":
         return write_checkpoint(state, report, out)
     trees = state_dicts(state)

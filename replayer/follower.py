@@ -43,7 +43,8 @@ from eventlog import (
 from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
 from eventlog.fold.apply import ShardState, verify_shard
-from eventlog.fold.engine import ControlIndex, fold_shard, index_control
+from eventlog.fold.engine import ControlIndex, SmallStates, fold_control, fold_shard, index_control
+from replayer import assemble
 from replayer.replay import replay
 
 NOOP, INCREMENTAL, FULL = "noop", "incremental", "full"
@@ -101,6 +102,7 @@ class Follower:
         # Staging: the raw bits of every shard at ``_version`` (None: resync from scratch).
         self._shards: list[ShardState] | None = None
         self._layout: RunStarted | None = None
+        self._small: SmallStates | None = None  # a multi-rank run's layout is among them
         self._fitted: frozenset[tuple[str, tuple[str, tuple[int, ...]]]] | None = None
         self._version = 0
         self._closed = False
@@ -196,6 +198,7 @@ class Follower:
                 _log.warning("follower %s: %s; doing a full sync", self.name, reason)
         state, report = replay(self.address, Target(), workers=self.workers)
         self._shards, self._idx, self._layout = state.shards, state.index, state.layout
+        self._small = state.small
         self._publish(state.version)
         events = sum(s.counts.applied for s in state.shards)
         return FollowResult(before, state.version, FULL, state.version - before, events,
@@ -238,24 +241,32 @@ class Follower:
             return state.counts.applied - applied
 
         events = sum(self._pool.map(one, shards))
+        if self._small is not None:
+            self._small = fold_control(self._log, idx, target, self._small, self._small.next_offset - 1)
         self._layout = layout
         return events
 
     def _publish(self, version: int) -> None:
-        """Copy the staged model tensors into the module: all of one version, under the lock."""
+        """Copy the staged model tensors into the module: all of one version, under the lock.
+        A multi-rank run's model is assembled from its ranks' shards (full tensors)."""
         assert self._shards is not None and self._layout is not None
         prefix = f"{MODEL}/"
-        recorded = {s.name: (s.dtype, tuple(s.shape)) for s in self._layout.tensors
-                    if s.name.startswith(prefix)}
+        bits = {n: t for shard in self._shards for n, t in shard.tensors.items()}
+        states = self._small.states if self._small is not None else {}
+        world = assemble.recorded_world(states, set(bits))
+        # Built outside the lock (copies of the staged bits), so readers wait only for copy_.
+        if world:
+            full = assemble.full_tensors(states, bits, world, names=(MODEL,))[1]
+            tensors = {n: t for n, t in full.items() if n.startswith(prefix)}
+        else:
+            tensors = {s.name: tensorcodec.bits_to_tensor(bits[s.name].bits, s.dtype, tuple(s.shape))
+                       for s in self._layout.tensors if s.name.startswith(prefix)}
+        recorded = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         fingerprint = frozenset(recorded.items())
         if fingerprint != self._fitted:  # once per model layout, not per version
             check_model_fits(MODEL, self.model, recorded)
             self._fitted = fingerprint
-        # Built outside the lock (copies of the staged bits), so readers wait only for copy_.
-        staged = {
-            name.removeprefix(prefix): tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape)
-            for shard in self._shards for name, t in shard.tensors.items() if name in recorded
-        }
+        staged = {name.removeprefix(prefix): t for name, t in tensors.items()}
         with self.lock, torch.no_grad():
             live = self.model.state_dict()  # shares storage with the module's params/buffers
             for key, tensor in staged.items():

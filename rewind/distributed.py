@@ -11,10 +11,13 @@ interleaves with the trainer's collectives. Rank ``r`` owns tensor shards
 * replicated tensors (plain tensors of the model and optimizer, all-``Replicate()``
   DTensors) under ``<path>``, on rank 0 only; the other ranks only hash theirs, and the
   hashes are compared at each commit (``check_parts``);
-* its small states as ``rank<r>/<name>``, and ``layout/rank<r>``: each DTensor's global
-  shape, stride, mesh shape and placements (msgpack).
+* its small states as ``rank<r>/<name>``, and ``layout/rank<r>``: the world size, and each
+  DTensor's global shape, stride, mesh shape, this rank's mesh coordinate and placements
+  (msgpack).
 
-Parts travel between ranks as msgpack bytes in uint8 tensors (no pickle).
+Parts travel between ranks as msgpack bytes in uint8 tensors (no pickle). A restore at
+another world size reslices the DTensors from the full tensors ``replayer.assemble`` puts
+together (``rank_trees``).
 """
 
 from __future__ import annotations
@@ -40,14 +43,11 @@ from eventlog.fold.engine import RebuiltState, events
 from eventlog.layout import assign_shards
 from eventlog.ports import EventLog
 from eventlog.statecodec import TensorRef
+from replayer import assemble
+from replayer.assemble import rank_prefix
 
 #: How long a rank waits for the others at one step of the agreement.
 AGREEMENT_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-def rank_prefix(rank: int) -> str:
-    """The name prefix of rank ``rank``'s own tensors and small states."""
-    return f"rank{rank}/"
 
 
 class RankGroup:
@@ -121,16 +121,13 @@ def _placement_name(p: Placement) -> str:
 
 
 def _placement_of(name: str, where: str) -> Placement:
-    if name == "R":
-        return Replicate()
-    if name.startswith("S(") and name.endswith(")") and name[2:-1].isdigit():
-        return Shard(int(name[2:-1]))
-    raise DecodeError(f"{where}: unknown placement {name!r}")
+    dim = assemble.shard_dim(name, where)
+    return Replicate() if dim is None else Shard(dim)
 
 
-def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int) -> Captured:
+def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int, world: int) -> Captured:
     """This rank's tensors (DTensors as their local shards) and small states, named so
-    that no two ranks' parts collide."""
+    that no two ranks' parts collide (``world``: the number of ranks)."""
     roles = frozenset(tensor_roles)
     prefix = rank_prefix(rank)
     out = Captured()
@@ -154,7 +151,7 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
                     name = prefix + path
                 layout[name] = {
                     "shape": list(t.shape), "stride": list(t.stride()),
-                    "mesh": list(t.device_mesh.shape),
+                    "mesh": list(t.device_mesh.shape), "coord": list(t.device_mesh.get_coordinate() or ()),
                     "placements": [_placement_name(p) for p in placements],
                 }
                 out.tensors[name] = local
@@ -168,7 +165,7 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
             return TensorRef(name)
 
         out.small[prefix + obj_name] = statecodec.pack(_walk(tree, obj_name, leaf))
-    out.small[f"layout/rank{rank}"] = statecodec.pack(layout)
+    out.small[f"{assemble.LAYOUT}{rank}"] = statecodec.pack({"world": world, "tensors": layout})
     return out
 
 
@@ -299,43 +296,58 @@ def _last_event(log: EventLog, partition: int) -> Envelope | None:
         width *= 8
 
 
-def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int) -> dict[str, Any]:
-    """The state trees this rank recorded, with its DTensors rebuilt over the live meshes."""
-    prefix = rank_prefix(rank)
+def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, world: int) -> dict[str, Any]:
+    """The state trees rank ``rank`` of ``world`` restores, its DTensors rebuilt over the live
+    meshes. At the recorded world size these are its own recorded part; at another, its
+    DTensors' local shards are cut from the full tensors (``replayer.assemble``) with the
+    recorded placements, and its other states are recorded rank ``source_rank(rank)``'s."""
     states = state.small.states
+    bits = {n: t for s in state.shards for n, t in s.tensors.items()}
+    recorded = assemble.recorded_world(states, set(bits))
+    if not recorded:
+        raise StateMismatchError(f"run {state.run_id!r} was not recorded by the ranks of a process group "
+                                 "(restore it with a Recorder without group=)")
+    src = assemble.source_rank(rank, recorded)
+    prefix = rank_prefix(src)
     missing = [n for n in objects if prefix + n not in states]
     if missing:
-        raise StateMismatchError(
-            f"run {state.run_id!r} recorded no state of rank {rank} for {', '.join(map(repr, missing))}"
-            f" (recorded at {_ranks_in(states)} ranks?)")
+        raise StateMismatchError(f"run {state.run_id!r} recorded no state of rank {src} for "
+                                 f"{', '.join(map(repr, missing))}")
     skeletons = {n: statecodec.unpack(states[prefix + n], f"small state {prefix + n!r}") for n in objects}
-    raw_layout = states.get(f"layout/rank{rank}")
-    layout = statecodec.unpack(raw_layout, f"small state 'layout/rank{rank}'") if raw_layout else {}
+    layouts = [assemble.rank_layout(states, r)[1] for r in range(recorded)]
     wanted: set[str] = set()
     for tree in skeletons.values():
-        _walk_refs(tree, wanted)
-    bits = {n: t for s in state.shards for n, t in s.tensors.items() if n in wanted}
-    tensors = {n: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape) for n, t in bits.items()}
+        assemble.collect_refs(tree, wanted)
+    local = {n: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape) for n, t in bits.items()
+             if n in wanted or (recorded != world and assemble.rank_of(n) is not None)}
+    tensors = {n: local[n] for n in wanted if n in local}
     meshes = _live_meshes(objects)
-    for name, entry in layout.items():
-        if name in tensors:
-            tensors[name] = _as_dtensor(tensors[name], entry, meshes, name)
+    for name, placed in layouts[src].items():
+        if name not in wanted:
+            continue
+        mesh = _mesh_for(placed, meshes, name, same_world=recorded == world)
+        part = local[name]
+        if recorded != world and placed.sharded:
+            full = assemble.assemble(name.removeprefix(prefix), recorded, layouts, local)
+            part = full[assemble.region(placed.shape, tuple(mesh.shape), placed.placements,
+                                        tuple(mesh.get_coordinate() or ()))].contiguous()
+        placements = tuple(_placement_of(p, f"layout of recorded tensor {name!r}") for p in placed.placements)
+        tensors[name] = DTensor.from_local(part, mesh, placements, run_check=False,
+                                           shape=torch.Size(placed.shape), stride=placed.stride)
     return {n: unflatten(tree, tensors) for n, tree in skeletons.items()}
 
 
-def _ranks_in(states: Mapping[str, bytes]) -> int:
-    return sum(1 for n in states if n.startswith("layout/rank"))
-
-
-def _walk_refs(node: Any, into: set[str]) -> None:
-    if isinstance(node, TensorRef):
-        into.add(node.name)
-    elif isinstance(node, dict):
-        for v in node.values():
-            _walk_refs(v, into)
-    elif isinstance(node, list | tuple):
-        for v in node:
-            _walk_refs(v, into)
+def _mesh_for(placed: assemble.Placed, meshes: Sequence[DeviceMesh], name: str,
+              same_world: bool) -> DeviceMesh:
+    """The live mesh a recorded DTensor goes to: of the recorded shape at the recorded world
+    size, else of as many dimensions."""
+    found = [m for m in meshes
+             if (tuple(m.shape) == placed.mesh if same_world else m.ndim == len(placed.mesh))]
+    if not found:
+        raise StateMismatchError(f"layout of recorded tensor {name!r}: recorded over a device mesh of shape "
+                                 f"{list(placed.mesh)}, but the live model has "
+                                 f"{[list(m.shape) for m in meshes] or 'no DTensors'}")
+    return found[0]
 
 
 def _live_meshes(objects: Mapping[str, Stateful]) -> list[DeviceMesh]:
@@ -354,24 +366,17 @@ def _live_meshes(objects: Mapping[str, Stateful]) -> list[DeviceMesh]:
     return found
 
 
-def _as_dtensor(local: torch.Tensor, entry: Mapping[str, Any], meshes: Sequence[DeviceMesh],
-                name: str) -> DTensor:
-    where = f"layout of recorded tensor {name!r}"
-    shape = tuple(int(x) for x in entry["mesh"])
-    mesh = next((m for m in meshes if tuple(m.shape) == shape), None)
-    if mesh is None:
-        raise StateMismatchError(f"{where}: recorded over a device mesh of shape {list(shape)}, but the "
-                                 f"live model has {[list(m.shape) for m in meshes] or 'no DTensors'}")
-    placements = tuple(_placement_of(str(p), where) for p in entry["placements"])
-    return DTensor.from_local(local, mesh, placements, run_check=False,
-                              shape=torch.Size(entry["shape"]), stride=tuple(entry["stride"]))
-
-
-def load_rank(objects: Mapping[str, Stateful], state: RebuiltState, rank: int) -> None:
-    """Load this rank's recorded part into the live objects; nothing is loaded on a mismatch."""
-    trees = rank_trees(objects, state, rank)
+def load_rank(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, world: int) -> None:
+    """Load what rank ``rank`` of ``world`` restores (``rank_trees``) into the live objects;
+    nothing is loaded on a mismatch."""
+    trees = rank_trees(objects, state, rank, world)
     for name, tree in trees.items():
         try:
             objects[name].load_state_dict(tree)
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             raise StateMismatchError(f"rank {rank}: cannot load recorded {name!r}: {exc}") from exc
+
+
+def recorded_world(state: RebuiltState) -> int:
+    """The world size that recorded ``state``'s version (0: one process recorded it)."""
+    return assemble.recorded_world(state.small.states, {n for s in state.shards for n in s.tensors})

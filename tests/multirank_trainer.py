@@ -1,27 +1,42 @@
-"""A small multi-rank trainer that ``tests/test_multirank.py`` launches with torchrun (gloo, CPU).
+"""Multi-rank jobs that ``tests/test_multirank.py`` runs: a small trainer per rank (gloo, CPU)
+and a launcher that runs a list of jobs, one after the other, in one process.
 
-FSDP2 (``fully_shard`` over a CPU ``DeviceMesh``) or DDP, AdamW, a step scheduler, a per-rank
-sampler, and the global RNGs: every rank records with ``Recorder(..., group=...)``, restores
-at start, trains to ``--steps`` committing each step, then writes its final state's bits to
-``<out>/rank<r>.msgpack`` for the test to compare. Its one argument is a JSON file: ``log``,
-``coord``, ``run``, ``out``, ``steps``, ``mode`` (fsdp|ddp), and the faults below.
+The launcher runs each job through ``torch.distributed.launcher.api.elastic_launch``, the
+launcher ``torchrun`` itself runs. Its workers are forked from the launcher, so they start
+without importing torch again. A job with ``kills`` runs in rounds: each kill ends a round,
+and the whole job is launched again (a fresh rendezvous, as a restarted torchrun job), up
+to a last round without a kill. ``python tests/multirank_trainer.py <jobs.json>``: a JSON
+list of ``{"name", "nproc", "cfg"}``; it writes ``<jobs.json>.out``, each round's outcome
+(``name``, ``round``, ``ok``, ``error``, ``seconds``).
 
-Faults (test-only, by monkeypatching here, never in the product):
-``kill=step:R:N``: rank R SIGKILLs itself right after training step N (before committing it);
-``kill=emit:R:K:N``: inside rank R's K-th log transaction, before its N-th event;
-``kill=part:R:K``: once rank R's part of its K-th commit is durable, before the agreement
-(so rank 0 never seals that version);
+The trainer (``train(cfg)``): FSDP2 (``fully_shard`` over a CPU ``DeviceMesh``) or DDP,
+AdamW, a step scheduler, a per-rank sampler and the global RNGs, recorded with
+``Recorder(..., group=...)``. It restores at start, trains to ``steps`` committing each step,
+and writes its final state's bits to ``<out>/rank<r>.msgpack``. ``cfg``: ``log``, ``coord``,
+``run``, ``out``, ``steps``, ``mode`` (fsdp|ddp), ``snapshots``, ``snapshot_every``,
+``full`` (rank 0 also writes the gathered full model and optimizer tensors right after the
+restore, ``full-restored.msgpack``, and at the end, ``full-final.msgpack``), and faults.
+After each restore rank 0 writes ``round<k>.json``: the step restored, the records no seal
+names, and the sealed versions.
+
+Faults (test-only, by monkeypatching here, never in the product), ``kills``: one per round:
+``step:R:N``: rank R SIGKILLs itself right after training step N (before committing it);
+``emit:R:K:N``: inside rank R's K-th log transaction of the round, before its N-th event;
+``part:R:K``: once rank R's part of its K-th commit of the round is durable, before the
+agreement (so rank 0 never seals that version);
 ``perturb=R:N``: rank R nudges one replicated weight after step N (DDP replica drift).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import signal
+import socket
 import sys
+import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +44,25 @@ import msgpack
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+from torch.distributed.tensor import DTensor
 
 import rewind
 from eventlog.backends import RunAddress
+from eventlog.fold.engine import events, index_control
 from rewind import distributed as rdist
 from rewind import recorder as rrec
+
+IN, OUT = 8, 4
+
+
+def tiny_model() -> torch.nn.Sequential:
+    """The same initial weights on every rank; 6 and 5 rows shard unevenly over 4 ranks."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, 6), torch.nn.ReLU(), torch.nn.Linear(6, 5),
+                               torch.nn.ReLU(), torch.nn.Linear(5, OUT))
 
 
 class Sampler:
@@ -63,7 +92,7 @@ def _kill() -> None:
 
 
 def install_faults(kill: str, rank: int) -> None:
-    """Arm the ``--kill`` point on this rank (see the module docstring)."""
+    """Arm the kill point on this rank (see the module docstring)."""
     if not kill:
         return
     kind, who, *at = kill.split(":")
@@ -99,52 +128,71 @@ def install_faults(kill: str, rank: int) -> None:
         rdist.PartReport.pack = counted_pack  # type: ignore[method-assign]
 
 
+def _bits(t: torch.Tensor) -> bytes:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return bytes(local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
 def final_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                 sampler: Sampler) -> dict[str, Any]:
     """Every piece of this rank's state as bytes or plain values (DTensors as local shards)."""
-    def bits(t: torch.Tensor) -> bytes:
-        local = t.to_local() if isinstance(t, rdist.DTensor) else t
-        return bytes(local.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-
-    out: dict[str, Any] = {f"model/{k}": bits(v) for k, v in model.state_dict().items()}
+    out: dict[str, Any] = {f"model/{k}": _bits(v) for k, v in model.state_dict().items()}
     opt = optimizer.state_dict()
     for i, st in opt["state"].items():
         for k, v in st.items():
-            out[f"optimizer/{i}/{k}"] = bits(v) if isinstance(v, torch.Tensor) else v
+            out[f"optimizer/{i}/{k}"] = _bits(v) if isinstance(v, torch.Tensor) else v
     out["optimizer/groups"] = [{k: v for k, v in g.items() if k != "params"} for g in opt["param_groups"]]
     out["scheduler"] = {k: v for k, v in scheduler.state_dict().items() if not callable(v)}
     out["sampler"] = sampler.state_dict()
     out["rng/torch"] = bytes(torch.get_rng_state().numpy().tobytes())
-    np_state = np.random.get_state()
+    np_state: Any = np.random.get_state()
     out["rng/numpy"] = [np_state[0], bytes(np_state[1].tobytes()), *np_state[2:]]
     out["rng/python"] = [list(random.getstate()[1]), random.getstate()[0]]
     return out
 
 
-def main() -> int:
-    # One JSON argument: torchrun's own parser would take ``--log`` and the like for its options.
-    cfg = {"steps": 10, "mode": "fsdp", "kill": "", "perturb": "", "snapshots": "", "snapshot_every": 0,
-           **json.loads(Path(sys.argv[1]).read_text())}
-    args = argparse.Namespace(**cfg)
+def full_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, bytes]:
+    """The gathered full model and optimizer tensors' bits (a collective: every rank calls it)."""
+    def full(t: torch.Tensor) -> bytes:
+        return _bits(t.full_tensor() if isinstance(t, DTensor) else t)
 
+    out = {f"model/{k}": full(v) for k, v in model.state_dict().items()}
+    for i, st in optimizer.state_dict()["state"].items():
+        out.update({f"optimizer/{i}/{k}": full(v) for k, v in st.items() if isinstance(v, torch.Tensor)})
+    return out
+
+
+def unsealed_records(address: RunAddress) -> tuple[int, list[int]]:
+    """Records on the tensor shards of versions newer than the newest sealed one, and the
+    sealed versions."""
+    with address.open_log() as log:
+        try:
+            seals = sorted(index_control(log).seals)
+        except rewind.RunNotFoundError:  # nothing sealed yet (a crash in the first commit)
+            seals = []
+        sealed = max(seals, default=0)
+        orphans = sum(1 for shard in range(log.shard_count() or 0)
+                      for _, _, env in events(log, shard) if env.version > sealed)
+        return orphans, seals
+
+
+def train(cfg: dict[str, Any]) -> None:
+    """One rank of a job (see the module docstring); exits 3 on a ``RewindError``."""
+    cfg = {"steps": 6, "mode": "fsdp", "kills": [], "perturb": "", "snapshots": "", "snapshot_every": 0,
+           "full": False, **cfg}
+    out = Path(cfg["out"])
+    round_ = int(cfg.get("round", 0))
+    kill = cfg["kills"][round_] if round_ < len(cfg["kills"]) else ""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
+    model: torch.nn.Module = tiny_model()
     torch.manual_seed(1234 + rank)
     np.random.seed(99 + rank)
     random.seed(7 + rank)
-
-    torch.manual_seed(0)  # the same initial weights on every rank
-    model: torch.nn.Module = torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8), torch.nn.ReLU(),
-        torch.nn.Linear(8, 4))
-    torch.manual_seed(1234 + rank)
-    if args.mode == "fsdp":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
+    if cfg["mode"] == "fsdp":
         mesh = init_device_mesh("cpu", (world,))
-        for layer in model:
+        for layer in model.children():
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -152,49 +200,84 @@ def main() -> int:
         model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
-    data_x = torch.randn(96, 16, generator=torch.Generator().manual_seed(5))
-    data_w = torch.randn(16, 4, generator=torch.Generator().manual_seed(6))
+    data_x = torch.randn(48, IN, generator=torch.Generator().manual_seed(5))
+    data_w = torch.randn(IN, OUT, generator=torch.Generator().manual_seed(6))
     sampler = Sampler(len(data_x), 8, seed=rank)
 
     snapshots = None
-    if args.snapshots:
-        snapshots = rewind.Snapshots(rewind.every_versions(args.snapshot_every), store=args.snapshots)
-    install_faults(args.kill, rank)
-    rec = rewind.Recorder(RunAddress(args.log, args.coord, args.run), model=model, optimizer=optimizer,
-                          scheduler=scheduler, sampler=sampler, shards=2, snapshots=snapshots,
-                          group=dist.group.WORLD)
-    restored = rec.restore()
-    print(f"rank {rank}: {restored}", flush=True)
-    start = (restored.step or 0) + 1
+    if cfg["snapshots"]:
+        snapshots = rewind.Snapshots(rewind.every_versions(cfg["snapshot_every"]), store=cfg["snapshots"])
+    install_faults(kill, rank)
+    address = RunAddress(cfg["log"], cfg["coord"], cfg["run"])
+    rec = rewind.Recorder(address, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                          shards=2, snapshots=snapshots, group=dist.group.WORLD)
     try:
-        for step in range(start, args.steps + 1):
+        restored = rec.restore()
+        if rank == 0:
+            orphans, sealed = unsealed_records(address)
+            (out / f"round{round_}.json").write_text(json.dumps(
+                {"step": restored.step, "orphans": orphans, "sealed": sealed}))
+        if cfg["full"]:
+            full = full_tensors(model, optimizer)
+            if rank == 0:
+                (out / "full-restored.msgpack").write_bytes(msgpack.packb(full, use_bin_type=True))
+        dist.barrier()  # no rank commits before rank 0 has looked at the log
+        for step in range((restored.step or 0) + 1, cfg["steps"] + 1):
             idx = sampler.next()
-            x = data_x[idx] + 0.01 * torch.randn(len(idx), 16)
+            x = data_x[idx] + 0.01 * torch.randn(len(idx), IN)
             x = x * float(1.0 + 0.01 * np.random.rand()) * (1.0 + 0.01 * random.random())
             loss = torch.nn.functional.mse_loss(model(x), x @ data_w)
             optimizer.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             scheduler.step()
-            if args.kill == f"step:{rank}:{step}":
+            if kill == f"step:{rank}:{step}":
                 _kill()
-            if args.perturb == f"{rank}:{step}":
+            if cfg["perturb"] == f"{rank}:{step}":
                 with torch.no_grad():
                     next(model.parameters()).view(-1)[0] += 1e-3
-            rec.commit(step, {"loss": float(loss)})
+            rec.commit(step, {"loss": loss.item()})
         rec.flush()
     except rewind.RewindError as exc:
-        (Path(args.out) / f"error-rank{rank}.txt").write_text(str(exc))
-        print(f"rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return 3
+        (out / f"error-rank{rank}.txt").write_text(str(exc))
+        sys.exit(3)
     finally:
         rec.close()
     state = final_state(model, optimizer, scheduler, sampler)
-    (Path(args.out) / f"rank{rank}.msgpack").write_bytes(msgpack.packb(state, use_bin_type=True))
+    (out / f"rank{rank}.msgpack").write_bytes(msgpack.packb(state, use_bin_type=True))
+    if cfg["full"]:
+        full = full_tensors(model, optimizer)
+        if rank == 0:
+            (out / "full-final.msgpack").write_bytes(msgpack.packb(full, use_bin_type=True))
     dist.barrier()
     dist.destroy_process_group()
-    return 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_jobs(path: Path) -> None:
+    """Run every job of ``path`` in turn; write their outcomes to ``<path>.out``."""
+    results = []
+    for job in json.loads(path.read_text()):
+        Path(job["cfg"]["out"]).mkdir(parents=True, exist_ok=True)
+        for round_ in range(len(job["cfg"].get("kills", ())) + 1):
+            config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(job["nproc"]),
+                                  run_id=f"{job['name']}-{round_}", rdzv_backend="c10d",
+                                  rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
+                                  monitor_interval=0.05, start_method="fork")
+            t0, error = time.perf_counter(), ""
+            try:
+                elastic_launch(config, train)({**job["cfg"], "round": round_})
+            except Exception:  # this round's outcome; the next round or job still runs
+                error = traceback.format_exc(limit=3)[-3000:]
+            results.append({"name": job["name"], "round": round_, "ok": not error, "error": error,
+                            "seconds": round(time.perf_counter() - t0, 1)})
+            path.with_name(path.name + ".out").write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_jobs(Path(sys.argv[1]))

@@ -1,12 +1,19 @@
-"""Multi-rank runs on real torchrun processes (2 ranks, gloo, CPU): a rank killed at a few
-points, inside a commit too, and the whole job restarted, ends bit-equal to an uninterrupted
-run; a crashed rank's part is skipped as unsealed; DDP replica drift fails the commit."""
+"""Multi-rank runs on real ranks (gloo, CPU, ``tests/multirank_trainer.py``), all launched by one
+launcher process (a module fixture) to keep the suite short:
+
+* a 2-rank FSDP2 job killed at four points in turn (between steps, inside a rank's part,
+  inside the global seal, after a part and before the seal), each time restarted whole by
+  the launcher, ends bit-equal to one uninterrupted run; every crashed part is skipped as
+  unsealed and its version number is never sealed; on Kafka, one kill inside a commit;
+* DDP replica drift fails that version's commit, naming rank and tensor;
+* a run recorded at 4 ranks restores at 2 (every full tensor bit-equal to the recorded full
+  state) and continues; ``export`` and a ``Follower`` of it get full tensors; a 2-rank run
+  restores into a plain model."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,110 +21,224 @@ from typing import Any
 
 import msgpack
 import pytest
+import safetensors.torch
+import torch
 
+import rewind
 from eventlog.backends import RunAddress
-from eventlog.fold.engine import events, index_control
+from eventlog.fold.engine import Target, index_control
+from replayer.export import export
+from replayer.follower import Follower
 from replayer.replay import replay
-from tests.conftest import make_address
+from tests.conftest import KAFKA, REDIS, make_address
+from tests.multirank_trainer import IN, Sampler, tiny_model
 
 pytestmark = pytest.mark.slow
 
 TRAINER = Path(__file__).with_name("multirank_trainer.py")
-STEPS = 8
+STEPS = 6
+# One kill per round; each round restarts the whole job, which restores and goes on.
+# Rank 0's transactions of a round alternate: its part of a version, then that version's seal.
+CHAIN = ["step:1:2", "emit:0:3:2", "emit:0:4:0", "part:1:2"]
+# Rounds whose previous round's crash left a part no seal names, and why.
+LEAVES_PART = {3: "inside the global seal", 4: "after rank 1's part, before the seal"}
+KAFKA_KILL = ["part:1:3"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+class Jobs:
+    """Every job's run address, output directory and outcome."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.specs: list[dict[str, Any]] = []
+        self.addresses: dict[str, RunAddress] = {}
+        self.outcome: dict[str, list[dict[str, Any]]] = {}
+
+    def add(self, name: str, address: RunAddress, nproc: int = 2, **cfg: Any) -> None:
+        self.addresses[name] = address
+        self.specs.append({"name": name, "nproc": nproc, "cfg": {
+            "log": address.log_url, "coord": address.coord_url, "run": address.run_id,
+            "out": str(self.out(name)), "steps": STEPS, **cfg}})
+
+    def out(self, name: str) -> Path:
+        return self.root / name
+
+    def run(self) -> None:
+        path = self.root / "jobs.json"
+        path.write_text(json.dumps(self.specs))
+        root = Path(__file__).resolve().parent.parent
+        paths = (str(root), os.environ.get("PYTHONPATH"))
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        done = subprocess.run([sys.executable, str(TRAINER), str(path)], env=env, capture_output=True,
+                              text=True, timeout=900, cwd=self.root)
+        assert done.returncode == 0, done.stderr[-3000:]
+        for r in json.loads(path.with_name("jobs.json.out").read_text()):
+            self.outcome.setdefault(r["name"], []).append(r)
+
+    def ok(self, name: str) -> None:
+        """The job's last round ended well, and every round before it failed (its kill)."""
+        *killed, last = self.outcome[name]
+        assert last["ok"], last["error"]
+        assert not any(r["ok"] for r in killed)
+
+    def ranks(self, name: str, world: int = 2) -> list[dict[str, Any]]:
+        return [_read(self.out(name) / f"rank{r}.msgpack") for r in range(world)]
+
+    def rounds(self, name: str) -> list[dict[str, Any]]:
+        return [json.loads((self.out(name) / f"round{k}.json").read_text())
+                for k in range(len(list(self.out(name).glob("round*.json"))))]
 
 
-def launch(tmp: Path, address: RunAddress, out: Path, **cfg: Any) -> subprocess.CompletedProcess[str]:
-    """One torchrun job of the trainer; its exit code and output."""
-    out.mkdir(parents=True, exist_ok=True)
-    conf = tmp / f"cfg-{len(list(tmp.glob('cfg-*')))}.json"
-    conf.write_text(json.dumps({"log": address.log_url, "coord": address.coord_url, "run": address.run_id,
-                                "out": str(out), "steps": STEPS, **cfg}))
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH"))
-                                                       if p)}
-    return subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-         "127.0.0.1", "--master-port", str(_free_port()), str(TRAINER), str(conf)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp)
-
-
-def final_states(out: Path) -> list[dict[str, Any]]:
-    return [msgpack.unpackb((out / f"rank{r}.msgpack").read_bytes(), raw=False) for r in range(2)]
-
-
-def unsealed_records(address: RunAddress) -> int:
-    """Records on the tensor shards of versions newer than the newest sealed one."""
-    with address.open_log() as log:
-        sealed = index_control(log).latest_version()
-        return sum(1 for shard in range(log.shard_count() or 0)
-                   for _, _, env in events(log, shard) if env.version > sealed)
+def _read(path: Path) -> dict[str, Any]:
+    out: dict[str, Any] = msgpack.unpackb(path.read_bytes(), raw=False)
+    return out
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    tmp = tmp_path_factory.mktemp("baseline")
-    done = launch(tmp, make_address("embedded", tmp), tmp / "out", snapshots=f"file://{tmp}/snaps",
-                  snapshot_every=3)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return final_states(tmp / "out")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+    root = tmp_path_factory.mktemp("multirank")
+    j = Jobs(root)
+
+    def snaps(name: str) -> dict[str, Any]:
+        return {"snapshots": f"file://{root}/snaps-{name}", "snapshot_every": 3}
+
+    j.add("uninterrupted", make_address("embedded", root / "u", "u"), full=True, **snaps("u"))
+    j.add("chain", make_address("embedded", root / "c", "c"), kills=CHAIN, **snaps("c"))
+    if KAFKA and REDIS:
+        j.add("kafka", make_address("kafka", root), kills=KAFKA_KILL, **snaps("k"))
+    j.add("ddp", make_address("embedded", root / "d", "d"), mode="ddp", perturb="1:3")
+    at4 = make_address("embedded", root / "r", "r")
+    j.add("at4", at4, nproc=4, full=True)
+    j.add("at2", at4, full=True, steps=STEPS + 2)
+    j.add("grow", at4, nproc=4, full=True, steps=STEPS + 3)
+    for name in ("u", "c", "d", "r"):
+        (root / name).mkdir()
+    j.run()
+    return j
 
 
-# Rank 0's transactions alternate: its part of version v (2v - 1), then v's seal (2v).
-KILLS = {
-    "rank 1 between steps": ("step:1:5", False),
-    "rank 0 inside its part of version 3": ("emit:0:5:3", True),
-    "rank 0 inside the global seal of version 3": ("emit:0:6:0", True),
-    "rank 1 after its part of version 4, before the seal": ("part:1:4", True),
-}
-
-
-@pytest.mark.parametrize("backend", ["embedded", "kafka"])
-@pytest.mark.parametrize("kill", list(KILLS))
-def test_fsdp_rank_killed_then_job_restarted_is_bit_equal(
-    kill: str, backend: str, uninterrupted: list[dict[str, Any]], tmp_path: Path,
-) -> None:
-    if backend == "kafka" and kill != "rank 1 after its part of version 4, before the seal":
-        pytest.skip("one kill point on kafka keeps the suite short")
-    point, leaves_part = KILLS[kill]
-    address = make_address(backend, tmp_path)
-    snaps = {"snapshots": f"file://{tmp_path}/snaps", "snapshot_every": 3}
-    crashed = launch(tmp_path, address, tmp_path / "crashed", kill=point, **snaps)
-    assert crashed.returncode != 0, "the killed job must fail"
-    assert not (tmp_path / "crashed" / "rank0.msgpack").exists()
-    orphans = unsealed_records(address)
-    if leaves_part:
-        assert orphans > 0, "the kill point should leave a part no seal names"
-    with address.open_log() as log:
-        sealed_before = set(index_control(log).seals)
-
-    resumed = launch(tmp_path, address, tmp_path / "resumed", **snaps)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "restored version" in resumed.stdout
-    assert final_states(tmp_path / "resumed") == uninterrupted
-
-    # The crashed part is skipped as unsealed, and its version number was never sealed.
-    state, _ = replay(address, use_snapshots=False)
-    assert state.counts.skipped_unsealed == orphans
+def _check_chain(jobs: Jobs, name: str, leaves_part: dict[int, str]) -> None:
+    jobs.ok(name)
+    assert jobs.ranks(name) == jobs.ranks("uninterrupted")
+    rounds = jobs.rounds(name)
+    address = jobs.addresses[name]
     with address.open_log() as log:
         seals = index_control(log).seals
-    assert state.step == STEPS and len(seals) == STEPS
-    if leaves_part:
-        assert max(sealed_before) + 1 not in seals
+    assert len(seals) == STEPS
+    for k, why in leaves_part.items():
+        assert rounds[k]["orphans"] > 0, f"a crash {why} should leave a part no seal names"
+        # The dead part's version number is skipped, never sealed by a retry.
+        assert max(rounds[k]["sealed"]) + 1 not in seals, why
+    # Each round sees the parts the crash before it left (older ones lie below a newer seal);
+    # a replay skips every one of them.
+    state, _ = replay(address, use_snapshots=False)
+    assert state.step == STEPS
+    assert state.counts.skipped_unsealed == sum(r["orphans"] for r in rounds)
 
 
-def test_ddp_replica_drift_fails_that_versions_commit(tmp_path: Path) -> None:
-    address = make_address("embedded", tmp_path)
-    done = launch(tmp_path, address, tmp_path / "out", mode="ddp", perturb="1:3")
-    assert done.returncode != 0
+def test_fsdp_killed_at_four_points_then_restarted_is_bit_equal(jobs: Jobs) -> None:
+    steps = [r["step"] or 0 for r in jobs.rounds("chain")]
+    assert len(steps) == len(CHAIN) + 1 and steps == sorted(steps) and steps[-1] < STEPS
+    _check_chain(jobs, "chain", LEAVES_PART)
+
+
+@pytest.mark.skipif(not (KAFKA and REDIS), reason="kafka services not configured")
+def test_fsdp_killed_inside_a_commit_on_kafka_is_bit_equal(jobs: Jobs) -> None:
+    _check_chain(jobs, "kafka", {1: "after rank 1's part, before the seal"})
+
+
+def test_ddp_replica_drift_fails_that_versions_commit(jobs: Jobs) -> None:
+    assert not jobs.outcome["ddp"][0]["ok"]
     for rank in range(2):
-        said = (tmp_path / "out" / f"error-rank{rank}.txt").read_text()
+        said = (jobs.out("ddp") / f"error-rank{rank}.txt").read_text()
         assert ("replica drift at version 3: rank 1's copy of replicated tensor 'model/module.0.weight' "
                 "digest") in said, said
-    with address.open_log() as log:
+    with jobs.addresses["ddp"].open_log() as log:
         assert index_control(log).latest_version() == 2
+
+
+def test_recorded_at_4_ranks_restores_at_2_bit_equal_and_continues(jobs: Jobs) -> None:
+    jobs.ok("at4")
+    jobs.ok("at2")
+    recorded = _read(jobs.out("at4") / "full-final.msgpack")
+    restored = _read(jobs.out("at2") / "full-restored.msgpack")
+    assert sorted(recorded) == sorted(restored) and len(recorded) == 6 + 3 * 6
+    assert restored == recorded
+    assert json.loads((jobs.out("at2") / "round0.json").read_text())["step"] == STEPS
+    # Rank r of 2 went on from recorded rank r's sampler.
+    for rank, (was, now) in enumerate(zip(jobs.ranks("at4", 4), jobs.ranks("at2"), strict=False)):
+        assert _advanced(was["sampler"], rank, 2) == now["sampler"]
+
+
+def test_recorded_at_2_ranks_grows_to_4(jobs: Jobs) -> None:
+    jobs.ok("grow")
+    assert _read(jobs.out("grow") / "full-restored.msgpack") == _read(jobs.out("at2") / "full-final.msgpack")
+    # The new ranks 2 and 3 went on from recorded ranks 0 and 1's sampler.
+    at2 = jobs.ranks("at2")
+    for rank, now in enumerate(jobs.ranks("grow", 4)):
+        assert _advanced(at2[rank % 2]["sampler"], rank, 1) == now["sampler"]
+    # The run, recorded at 4, 2 and 4 ranks, verifies.
+    state, _ = replay(jobs.addresses["at4"], use_snapshots=False)
+    assert state.step == STEPS + 3
+
+
+def _advanced(state: dict[str, int], rank: int, batches: int) -> dict[str, int]:
+    sampler = Sampler(48, 8, seed=rank)
+    sampler.load_state_dict(state)
+    for _ in range(batches):
+        sampler.next()
+    return sampler.state_dict()
+
+
+def _full_by_name(full: dict[str, Any], model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    like = {k.removeprefix("model/"): v for k, v in model.state_dict().items()}
+    return {k: torch.frombuffer(bytearray(full[f"model/{k}"]), dtype=t.dtype).reshape(t.shape)
+            for k, t in like.items()}
+
+
+def test_export_and_follower_of_a_sharded_run_get_full_tensors(jobs: Jobs, tmp_path: Path) -> None:
+    address = jobs.addresses["at4"]
+    model = tiny_model()
+    recorded = _full_by_name(_read(jobs.out("at4") / "full-final.msgpack"), model)
+    state, report = replay(address, Target("version", _version_of_step(address, STEPS)))
+    export(state, report, tmp_path / "hf", "safetensors")
+    got = safetensors.torch.load_file(str(tmp_path / "hf" / "model.safetensors"))
+    assert got.keys() == recorded.keys()
+    assert all(torch.equal(got[k].view(torch.uint8), recorded[k].view(torch.uint8)) for k in got)
+    export(state, report, tmp_path / "pt", "torch")
+    opt = torch.load(tmp_path / "pt" / "optimizer.pt", weights_only=True)
+    assert list(opt["state"][0]["exp_avg"].shape) == [6, IN]
+
+    latest = _full_by_name(_read(jobs.out("grow") / "full-final.msgpack"), model)
+    with Follower(address, model) as follower:
+        assert follower.poll().version_after == _version_of_step(address, STEPS + 3)
+        live = model.state_dict()
+        assert all(torch.equal(live[k], latest[k]) for k in latest)
+
+
+def _version_of_step(address: RunAddress, step: int) -> int:
+    with address.open_log() as log:
+        return next(v for v, s in index_control(log).seals.items() if s.step == step)
+
+
+def test_two_rank_run_restores_into_a_plain_model(jobs: Jobs) -> None:
+    address = jobs.addresses["uninterrupted"]
+    recorded = _read(jobs.out("uninterrupted") / "full-final.msgpack")
+    final0 = jobs.ranks("uninterrupted")[0]
+    model = tiny_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
+    sampler = Sampler(48, 8, seed=0)
+    with rewind.Recorder(address, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
+                         rng=False) as rec:
+        assert rec.restore().step == STEPS
+        with pytest.raises(rewind.ConfigError, match="was recorded by 2 ranks: a Recorder without group="):
+            rec.commit(STEPS + 1)
+    live = model.state_dict()
+    assert all(torch.equal(live[k], v) for k, v in _full_by_name(recorded, model).items())
+    for i, st in optimizer.state_dict()["state"].items():
+        for k, v in st.items():
+            want = torch.frombuffer(bytearray(recorded[f"optimizer/{i}/{k}"]), dtype=v.dtype).reshape(v.shape)
+            assert torch.equal(v, want), (i, k)
+    assert sampler.state_dict() == final0["sampler"]
+    assert scheduler.state_dict()["last_epoch"] == final0["scheduler"]["last_epoch"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,7 +129,7 @@ class Database:
             # Large pages suit multi-MiB chunk blobs (only takes effect on a new file), and a
             # rowid table keeps blobs out of the index b-tree (WITHOUT ROWID copies them in).
             c.execute("PRAGMA page_size=65536")
-            c.execute("PRAGMA journal_mode=WAL")
+            _journal_wal(c)
             c.execute("PRAGMA synchronous=FULL")
         except sqlite3.Error as exc:
             raise self.wrap(exc) from exc
@@ -201,3 +202,15 @@ def wrapped(fn: Callable[P, R]) -> Callable[P, R]:
 
     return run
 
+
+def _journal_wal(c: sqlite3.Connection) -> None:
+    """Switch ``c`` to WAL. Processes that open a new file at once (the ranks of a job) race
+    for this switch, and SQLite reports the loser busy without waiting: retry for a while."""
+    for attempt in range(600):
+        try:
+            c.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == 599:
+                raise
+            time.sleep(0.05)
