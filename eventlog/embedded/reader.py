@@ -224,7 +224,13 @@ class RunReader:
                 self._range(partition, gt, lte, limit),
             ).fetchall()
             out = []
+            low = -1 if gt is None else gt
             for rowid, o, file, pos, length, bulk in rows:
+                if not low < int(o) <= (1 << 62 if lte is None else lte):
+                    # Only a damaged index returns a row outside the range it was asked for.
+                    raise CorruptStoreError(f"embedded database {self._db.path} is damaged: run "
+                                            f"{self.run_id!r} partition {partition} lists offset {o} "
+                                            f"after {low}")
                 view, blob = None, None
                 try:  # (opening only: an error from ``each`` is never deferred)
                     if file is not None:
