@@ -59,13 +59,13 @@ from eventlog.events import (
     TensorSpec,
 )
 from eventlog.fold.apply import ShardState, TensorBits
-from eventlog.fold.engine import SmallStates, index_control
+from eventlog.fold.engine import RebuiltState, SmallStates, index_control
 from eventlog.layout import assign_shards, config_digest
 from eventlog.optimstep import CapturedStep, StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog, LogTransaction
 from eventlog.settings import Settings, current
 from replayer.assemble import full_state
-from replayer.replay import Restorer
+from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
 from rewind import allocator, distributed, fingerprint
 from rewind.snapshots import Snapshots, with_store
@@ -403,14 +403,7 @@ class Recorder:
         self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
         self._last_gsn = fingerprint.log_resume(self._writer, self._coord, self.run_id,
                                                 f"{self.writer_id}#{self.session}", state, report)
-        c = state.counts
-        return RestoreResult(
-            step=state.step, version=state.version, applied=c.applied,
-            skipped=c.skipped_by_snapshot + c.skipped_duplicate + c.skipped_unsealed,
-            seconds=time.perf_counter() - t0, source=state.source, snapshot=report.snapshot_id,
-            snapshot_version=report.snapshot_version, tail=report.tail_versions,
-            passed_over=tuple(report.passed_over), state_digest=report.state_digest,
-        )
+        return _restored(state, report, t0)
 
     def close(self) -> None:
         """Write every queued commit, then release threads and connections."""
@@ -766,14 +759,7 @@ class Recorder:
         g.barrier()  # no rank commits before rank 0 set the coordinator
         if state is None or report is None:
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
-        c = state.counts
-        return RestoreResult(
-            step=state.step, version=state.version, applied=c.applied,
-            skipped=c.skipped_by_snapshot + c.skipped_duplicate + c.skipped_unsealed,
-            seconds=time.perf_counter() - t0, source=state.source, snapshot=report.snapshot_id,
-            snapshot_version=report.snapshot_version, tail=report.tail_versions,
-            passed_over=tuple(report.passed_over), state_digest=report.state_digest,
-        )
+        return _restored(state, report, t0)
 
     def _allocate_gsns(self, count: int) -> int:
         """The first of ``count`` fresh gsns, all above every gsn this recorder has seen."""
@@ -893,3 +879,15 @@ def _timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
     """``fn(*args, **kwargs)`` and the seconds it took."""
     t0 = time.perf_counter()
     return fn(*args, **kwargs), time.perf_counter() - t0
+
+
+def _restored(state: RebuiltState, report: ReplayReport, t0: float) -> RestoreResult:
+    """What a restore that loaded ``state`` reports (``t0``: when it began)."""
+    c = state.counts
+    return RestoreResult(
+        step=state.step, version=state.version, applied=c.applied,
+        skipped=c.skipped_by_snapshot + c.skipped_duplicate + c.skipped_unsealed,
+        seconds=time.perf_counter() - t0, source=state.source, snapshot=report.snapshot_id,
+        snapshot_version=report.snapshot_version, tail=report.tail_versions,
+        passed_over=tuple(report.passed_over), state_digest=report.state_digest,
+    )
