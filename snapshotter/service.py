@@ -19,7 +19,15 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from eventlog import ConfigError, FencedError, RunAddress, RunNotFoundError, serde
+from eventlog import (
+    ConfigError,
+    CoordinationError,
+    EventLogError,
+    FencedError,
+    RunAddress,
+    RunNotFoundError,
+    serde,
+)
 from eventlog.events import Body, Envelope, RunStarted, SnapshotBegin, SnapshotEnd
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import (
@@ -46,6 +54,15 @@ from snapshotter.policies import (
 from snapshotter.store import FORMAT, Manifest, SnapshotStore
 
 _log = logging.getLogger(__name__)
+
+#: After the log or the coordinator was unreachable, snapshots are tried again this much later.
+RETRY_AFTER_S = 30.0
+
+
+def unreachable(exc: BaseException) -> bool:
+    """An outage (brokers or Redis down, a request timed out) that a later attempt may not
+    meet, as opposed to a failure that would recur (damage, a bad setting)."""
+    return type(exc) in (EventLogError, CoordinationError)
 
 
 @dataclass(frozen=True)
@@ -346,6 +363,16 @@ class Snapshotter:
             stop.wait(self.config.poll_interval_s) if stop else self._sleep(self.config.poll_interval_s)
         return written
 
+    def after_outage(self) -> None:
+        """Drop the control writer after a failed attempt: its producer may be in a fatal
+        state, and the next snapshot opens a new one (which fences the old)."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            try:
+                writer.close()
+            except Exception as exc:  # noqa: BLE001 - a broken producer may fail to close too
+                _log.info("closing the snapshotter's writer: %s", exc)
+
     def release(self) -> None:
         """Give the lease up and close connections."""
         try:
@@ -383,8 +410,10 @@ class SnapshotterThread:
     """A snapshotter serving one run from a daemon thread of the trainer's own process.
 
     While another snapshotter holds the run's lease it stands by, and takes over once that
-    lease is free. Any other failure stops it, is logged, and is kept in ``error``: the log
-    still holds every version, so a missed snapshot only lengthens the next restore's tail.
+    lease is free. An outage of the log or the coordinator is logged and the snapshot tried
+    again ``RETRY_AFTER_S`` later; any other failure stops it, is logged, and is kept in
+    ``error``: the log still holds every version, so a missed snapshot only lengthens the
+    next restore's tail.
     """
 
     def __init__(self, snapshotter: Snapshotter) -> None:
@@ -436,6 +465,12 @@ class SnapshotterThread:
             _log.info("%s", exc)
             self._stop.wait(snap.config.lease_ttl_s)
             return
+        except Exception as exc:
+            if not unreachable(exc):
+                raise
+            _paused(snap, exc)
+            self._stop.wait(RETRY_AFTER_S)
+            return
         if result is not None:
             self.published += 1
             self.newest = result
@@ -448,8 +483,8 @@ class CommittedSnapshots:
     snapshot is written from those very buffers (``SnapshotSource``), streamed into the shard
     files, while no commit replaces them. So it costs the trainer no fold and no copy of the
     state, only the time to write the files. Like ``SnapshotterThread``, it stands by while
-    another snapshotter holds the run's lease, and any other failure stops it, is logged and
-    kept in ``error``: the log still holds every version.
+    another snapshotter holds the run's lease, retries after an outage, and any other failure
+    stops it, is logged and kept in ``error``: the log still holds every version.
     """
 
     def __init__(self, snapshotter: Snapshotter) -> None:
@@ -486,6 +521,10 @@ class CommittedSnapshots:
             self._standby_until = snap._clock() + snap.config.lease_ttl_s
             return None
         except Exception as exc:  # noqa: BLE001 - training goes on without snapshots
+            if unreachable(exc):
+                _paused(snap, exc)
+                self._standby_until = snap._clock() + RETRY_AFTER_S
+                return None
             self.error = exc
             _log.warning("snapshots of run %r stopped (%s: %s); restores replay a longer tail "
                          "of the log until a snapshotter runs again", snap.address.run_id,
@@ -499,3 +538,11 @@ class CommittedSnapshots:
     def close(self) -> None:
         """Give the lease up and close connections."""
         self.snapshotter.release()
+
+
+def _paused(snap: Snapshotter, exc: BaseException) -> None:
+    """Log a snapshot attempt that met an outage, and get ready to try again."""
+    _log.warning("snapshot of run %r not written (%s: %s); trying again in %.0f s, the log "
+                 "still holds every version", snap.address.run_id, type(exc).__name__, exc,
+                 RETRY_AFTER_S)
+    snap.after_outage()

@@ -16,7 +16,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # not re-expo
 )
 
 from eventlog.errors import ConfigError, EventLogError
-from eventlog.kafka.calls import UNKNOWN, call, client, describe, failover, kafka_error
+from eventlog.kafka.calls import FAILOVER_S, UNKNOWN, call, client, describe, failover, kafka_error
 from eventlog.kafka.config import (
     REQUEST_TIMEOUT_S,
     TOPIC_MAX_MESSAGE_BYTES,
@@ -165,9 +165,10 @@ def _ready(admin: AdminClient, want: dict[str, int], what: str, deadline: float)
         time.sleep(0.1)
 
 
-def query_marks(consumer: Consumer, topic: str, kp: int) -> tuple[int, int] | None:
+def query_marks(consumer: Consumer, topic: str, kp: int,
+                within: float = FAILOVER_S) -> tuple[int, int] | None:
     """``(low watermark, last stable offset)`` of ``(topic, kp)``, or ``None`` if the
-    partition does not exist."""
+    partition does not exist; a leader change is waited out for at most ``within`` seconds."""
     tp = TopicPartition(topic, kp)
     what = f"reading offsets of {topic} [{kp}]"
 
@@ -178,7 +179,7 @@ def query_marks(consumer: Consumer, topic: str, kp: int) -> tuple[int, int] | No
         return consumer.list_topics(topic, timeout=timeout)
 
     try:
-        return failover(what, marks, refresh, unknown_ok=True)
+        return failover(what, marks, refresh, unknown_ok=True, within=within)
     except KafkaException:
         pass  # an unknown topic or partition
     # Maybe only our metadata cache is stale (topic created since): refresh and ask again.
@@ -186,7 +187,7 @@ def query_marks(consumer: Consumer, topic: str, kp: int) -> tuple[int, int] | No
     count = partition_count(md, topic)
     if count is None or kp >= count:
         return None
-    return failover(what, marks, refresh)
+    return failover(what, marks, refresh, within=within)
 
 
 class Watermarks:
@@ -198,12 +199,12 @@ class Watermarks:
         self._consumer: Consumer | None = None
         self._lock = threading.Lock()
 
-    def marks(self, topic: str, kp: int) -> tuple[int, int] | None:
+    def marks(self, topic: str, kp: int, within: float = FAILOVER_S) -> tuple[int, int] | None:
         """``(low, last stable offset)``, or ``None`` if the partition does not exist."""
         with self._lock:
             if self._consumer is None:
                 self._consumer = client(Consumer, self._conf, "consumer")
-            return query_marks(self._consumer, topic, kp)
+            return query_marks(self._consumer, topic, kp, within)
 
     def close(self) -> None:
         with self._lock:

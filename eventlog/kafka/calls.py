@@ -105,9 +105,9 @@ def call(what: str, fn: Callable[[], T], *, attempts: int = 5) -> T:
 
 
 def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], object], *,
-             unknown_ok: bool = False) -> T:
+             unknown_ok: bool = False, within: float = FAILOVER_S) -> T:
     """``fn(timeout)`` for a request that goes to a partition's leader, retried across a
-    leader change for at most ``FAILOVER_S``.
+    leader change for at most ``within`` seconds (``FAILOVER_S``).
 
     librdkafka sends such a request to the leader its metadata names; after the leader died
     it keeps asking the dead one until its next metadata refresh. So each retry first calls
@@ -116,8 +116,8 @@ def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], obj
     leader just before the election waits out its whole timeout. With ``unknown_ok``, an
     unknown topic or partition is re-raised as is (the caller decides what it means).
     """
-    deadline = time.monotonic() + FAILOVER_S
-    timeout = 1.0
+    deadline = time.monotonic() + within
+    timeout = min(1.0, within)
     while True:
         try:
             return fn(timeout)
@@ -129,7 +129,7 @@ def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], obj
             if not transient(exc):
                 raise wrap(exc, what) from exc
             if left <= 0:
-                raise wrap(exc, f"{what} (no partition leader answered in {FAILOVER_S:g} s of "
+                raise wrap(exc, f"{what} (no partition leader answered in {within:g} s of "
                                 "retries with fresh metadata)") from exc
             logger.info("%s: %s; retrying with fresh metadata", what, describe(err, exc))
         timeout = max(0.5, min(timeout + 1, REQUEST_TIMEOUT_S, deadline - time.monotonic()))

@@ -54,8 +54,9 @@ class WriterTarget(Protocol):
         """The topic and Kafka partition of a log partition."""
         ...
 
-    def end_offset(self, partition: int) -> int:
-        """The last stable offset of a log partition."""
+    def end_offset(self, partition: int, *, within: float = ...) -> int:
+        """The last stable offset of a log partition, waiting out a leader change for at
+        most ``within`` seconds."""
         ...
 
 
@@ -235,7 +236,8 @@ class KafkaWriter(LogWriter):
             for (topic, kp), last in list(pending.items()):
                 partition = CONTROL if topic == self._target.control_topic else kp
                 try:
-                    if self._target.end_offset(partition) > last:
+                    left = max(0.5, deadline - time.monotonic())
+                    if self._target.end_offset(partition, within=left) > last:
                         del pending[(topic, kp)]
                 except RewindError as exc:  # the commit stands; only the wait failed
                     logger.warning("%s: cannot confirm visibility: %s", self._what, exc)
