@@ -16,7 +16,7 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # not re-expo
 )
 
 from eventlog.errors import ConfigError, EventLogError
-from eventlog.kafka.calls import FAILOVER_S, UNKNOWN, call, client, describe, failover, kafka_error
+from eventlog.kafka.calls import UNKNOWN, call, client, describe, failover, kafka_error
 from eventlog.kafka.config import (
     REQUEST_TIMEOUT_S,
     TOPIC_MAX_MESSAGE_BYTES,
@@ -166,7 +166,7 @@ def _ready(admin: AdminClient, want: dict[str, int], what: str, deadline: float)
 
 
 def query_marks(consumer: Consumer, topic: str, kp: int,
-                within: float = FAILOVER_S) -> tuple[int, int] | None:
+                within: float | None = None) -> tuple[int, int] | None:
     """``(low watermark, last stable offset)`` of ``(topic, kp)``, or ``None`` if the
     partition does not exist; a leader change is waited out for at most ``within`` seconds."""
     tp = TopicPartition(topic, kp)
@@ -199,7 +199,7 @@ class Watermarks:
         self._consumer: Consumer | None = None
         self._lock = threading.Lock()
 
-    def marks(self, topic: str, kp: int, within: float = FAILOVER_S) -> tuple[int, int] | None:
+    def marks(self, topic: str, kp: int, within: float | None = None) -> tuple[int, int] | None:
         """``(low, last stable offset)``, or ``None`` if the partition does not exist."""
         with self._lock:
             if self._consumer is None:

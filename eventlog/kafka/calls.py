@@ -105,7 +105,7 @@ def call(what: str, fn: Callable[[], T], *, attempts: int = 5) -> T:
 
 
 def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], object], *,
-             unknown_ok: bool = False, within: float = FAILOVER_S) -> T:
+             unknown_ok: bool = False, within: float | None = None) -> T:
     """``fn(timeout)`` for a request that goes to a partition's leader, retried across a
     leader change for at most ``within`` seconds (``FAILOVER_S``).
 
@@ -116,6 +116,7 @@ def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], obj
     leader just before the election waits out its whole timeout. With ``unknown_ok``, an
     unknown topic or partition is re-raised as is (the caller decides what it means).
     """
+    within = FAILOVER_S if within is None else within
     deadline = time.monotonic() + within
     timeout = min(1.0, within)
     while True:

@@ -16,7 +16,6 @@ from eventlog.kafka.admin import (
     topic_names,
     wait_for_topics,
 )
-from eventlog.kafka.calls import FAILOVER_S
 from eventlog.kafka.config import KafkaSettings, consumer_config
 from eventlog.kafka.reader import MAX_READERS, Reader, ReaderPool
 from eventlog.kafka.writer import KafkaWriter
@@ -133,13 +132,13 @@ class KafkaLog(EventLog):
                 f"cached empty range {self._gaps.get((topic, kp))}, idle readers "
                 f"{self._readers.describe(topic, kp) or 'none assigned to it'}")
 
-    def _watermarks(self, partition: int, within: float = FAILOVER_S) -> tuple[int, int]:
+    def _watermarks(self, partition: int, within: float | None = None) -> tuple[int, int]:
         topic, kp = self.locate(partition)
         return self._offsets.marks(topic, kp, within) or (0, 0)
 
-    def end_offset(self, partition: int, *, within: float = FAILOVER_S) -> int:
+    def end_offset(self, partition: int, *, within: float | None = None) -> int:
         """The last stable offset: the committed end (past any trailing transaction marker).
-        Waits out a leader change for at most ``within`` seconds."""
+        Waits out a leader change for at most ``within`` seconds (``FAILOVER_S``)."""
         return self._watermarks(partition, within)[1]
 
     def start_offset(self, partition: int) -> int:

@@ -54,7 +54,7 @@ class WriterTarget(Protocol):
         """The topic and Kafka partition of a log partition."""
         ...
 
-    def end_offset(self, partition: int, *, within: float = ...) -> int:
+    def end_offset(self, partition: int, *, within: float | None = None) -> int:
         """The last stable offset of a log partition, waiting out a leader change for at
         most ``within`` seconds."""
         ...
