@@ -130,6 +130,11 @@ class EventLog(abc.ABC):
         diagnostic when a read comes up short; empty if there is nothing to tell."""
         return ""
 
+    def forget_reads(self, partition: int) -> None:
+        """Drop whatever the backend cached about reads of ``partition`` (positioned
+        readers, ranges known to be empty), so that the next read asks the store afresh."""
+        return None  # a backend that caches nothing has nothing to forget
+
     def record_file(self, partition: int, offset: int | None = None) -> str:
         """Where the record at ``offset`` of ``partition`` is kept (a file, or the log's
         address), for a report naming a damaged record; ``None``: where the partition is."""

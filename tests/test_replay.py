@@ -216,6 +216,41 @@ def test_a_first_pass_longer_than_the_settle_time_still_waits_for_late_records(
     assert state.counts.applied == sum(s.seal.shard_counts[0] for s in idx.seals.values())
 
 
+class _BlindReads:
+    """An event log whose reads of shard 0 past offset ``after`` come back empty until the
+    fold asks it to forget what it cached (a reader that took a range for empty)."""
+
+    def __init__(self, log: object, after: int) -> None:
+        self._log, self._after, self.forgotten = log, after, 0
+
+    def scan_decoded(self, partition: int, *args: Any, **kwargs: Any) -> Iterator[Any]:
+        for rec in self._log.scan_decoded(partition, *args, **kwargs):  # type: ignore[attr-defined]
+            if partition == 0 and not self.forgotten and rec.offset > self._after:
+                return
+            yield rec
+
+    def forget_reads(self, partition: int) -> None:
+        self.forgotten += partition == 0
+        self._log.forget_reads(partition)  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._log, name)
+
+
+def test_a_short_read_is_read_again_afresh_before_records_are_called_missing(
+        run: RunAddress, caplog: pytest.LogCaptureFixture) -> None:
+    """A read that comes up short for the settle time is repeated once with nothing cached;
+    the records it then finds are applied, and the warning says what happened."""
+    with _trained(run) as (log, idx, version), caplog.at_level("WARNING", logger="eventlog.fold.engine"):
+        offsets = [o for o, _, _ in events(log, 0)]
+        blind = _BlindReads(log, offsets[2])
+        state = ShardState(0)
+        fold_shard(blind, state, idx, version, settle_s=0.1)  # type: ignore[arg-type]
+    assert blind.forgotten == 1
+    assert state.counts.applied == len(offsets) and state.counts.skipped_duplicate == 0
+    assert "reading the partition again afresh" in caplog.text
+
+
 def test_records_still_missing_after_the_settle_time_are_reported(
         run: RunAddress, caplog: pytest.LogCaptureFixture) -> None:
     """When the end offset never covers the target's records, the fold gives up after

@@ -278,6 +278,7 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
     ``version``, polling the end offset again while the seal counts more (see there)."""
     sealed = {v for v in idx.seals if v <= version}
     deadline: float | None = None
+    afresh = False
     while True:
         end = log.end_offset(state.shard) - 1
         done = False
@@ -298,14 +299,19 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
         if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
             deadline = now + settle_s
         elif now > deadline:
-            # The seal check will fail; say what the fold saw, for the one who debugs it.
             seal = idx.seals[version].seal
-            _log.warning(
-                "run %r shard %d: %d of the %d events of version %d the seal counts were read "
-                "after %.0f s without progress; the last offset read is %s, the end offset %d%s",
-                log.run_id, state.shard, state.applied_per_version.get(version, 0),
-                seal.shard_counts[state.shard], version, settle_s, gt, end + 1,
-                _reads_of(log, state.shard))
+            said = (f"run {log.run_id!r} shard {state.shard}: {state.applied_per_version.get(version, 0)} "
+                    f"of the {seal.shard_counts[state.shard]} events of version {version} the seal "
+                    f"counts were read after {settle_s:.0f} s without progress; the last offset read "
+                    f"is {gt}, the end offset {end + 1}{_reads_of(log, state.shard)}")
+            if not afresh:
+                # Once, before calling records missing: read again with nothing the backend
+                # cached about this partition (a positioned reader, a range taken for empty).
+                _log.warning("%s; reading the partition again afresh", said)
+                log.forget_reads(state.shard)
+                afresh, deadline = True, None
+                continue
+            _log.warning("%s", said)  # the seal check will fail: what the fold saw, for debugging
             return
         time.sleep(0.02)
 

@@ -132,6 +132,12 @@ class KafkaLog(EventLog):
                 f"cached empty range {self._gaps.get((topic, kp))}, idle readers "
                 f"{self._readers.describe(topic, kp) or 'none assigned to it'}")
 
+    def forget_reads(self, partition: int) -> None:
+        """Forget the empty range cached for ``partition`` and close its idle readers."""
+        topic, kp = self.locate(partition)
+        self._gaps.pop((topic, kp), None)
+        self._readers.drop(topic, kp)
+
     def _watermarks(self, partition: int, within: float | None = None) -> tuple[int, int]:
         topic, kp = self.locate(partition)
         return self._offsets.marks(topic, kp, within) or (0, 0)

@@ -208,6 +208,16 @@ class ReaderPool:
                 f"cursor {r.cursor}, stash {[message_offset(m) for m in r.stash]}, gap {r.gap}, live {r.live}"
                 for r in self._idle if r.at == (topic, kp))
 
+    def drop(self, topic: str, kp: int) -> None:
+        """Close the idle readers assigned to ``(topic, kp)``: the next read starts afresh."""
+        with self._cond:
+            gone = [r for r in self._idle if r.at == (topic, kp)]
+            self._idle = [r for r in self._idle if r.at != (topic, kp)]
+            self._count -= len(gone)
+            self._cond.notify_all()
+        for r in gone:
+            r.close()
+
     def _give_back(self, reader: Reader, ok: bool) -> None:
         with self._cond:
             if ok and not self._closed:

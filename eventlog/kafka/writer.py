@@ -81,6 +81,8 @@ class KafkaWriter(LogWriter):
         self._delivery_error: str | None = None
         # Highest offset delivered per (topic, partition) in the open transaction.
         self._written: dict[tuple[str, int], int] = {}
+        # Records produced in the open transaction, and those the broker acknowledged.
+        self._produced = self._acked = 0
         self._in_txn = False
         conf = producer_config(target.settings, self.transactional_id, self._on_delivery, self._on_error)
         self._producer = client(Producer, conf, "producer")
@@ -101,6 +103,7 @@ class KafkaWriter(LogWriter):
             return
         key = (msg.topic() or "", msg.partition() or 0)
         self._written[key] = max(self._written.get(key, -1), message_offset(msg))
+        self._acked += 1
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal() or err.code() in FENCING:
@@ -151,6 +154,7 @@ class KafkaWriter(LogWriter):
         self._in_txn = True
         self._delivery_error = None
         self._written = {}
+        self._produced = self._acked = 0
         try:
             yield KafkaTransaction(self)
         except BaseException as exc:
@@ -160,6 +164,7 @@ class KafkaWriter(LogWriter):
             self._commit()
         finally:
             self._in_txn = False
+        self._check_acknowledged()
         self._await_visible()
 
     def produce(self, partition: int, value: bytes) -> None:
@@ -170,6 +175,7 @@ class KafkaWriter(LogWriter):
         while True:
             try:
                 self._producer.produce(topic, value, partition=kp)
+                self._produced += 1
                 break
             except BufferError:
                 # The local queue is full: wait for the broker to take some (backpressure).
@@ -217,6 +223,20 @@ class KafkaWriter(LogWriter):
                 self._abort(exc)
                 raise EventLogError(f"{self._what}: transaction aborted: {cause}") from exc
             raise self._fail(exc, "committing a transaction") from exc
+
+    def _check_acknowledged(self) -> None:
+        """Fail unless every record of the committed transaction was acknowledged: the
+        commit returns once the transaction is decided, and a record whose delivery failed
+        on its own would leave the version short in the log, found only at the next replay."""
+        deadline = time.monotonic() + VISIBLE_WAIT_S
+        while self._acked < self._produced and self._delivery_error is None \
+                and time.monotonic() < deadline:
+            self._producer.poll(0.01)  # reports not yet served
+        if self._delivery_error is not None or self._acked < self._produced:
+            raise EventLogError(
+                f"{self._what}: a transaction committed with {self._acked} of its {self._produced} "
+                f"records acknowledged ({self._delivery_error or 'no delivery report'}); the "
+                "version it wrote is incomplete in the log")
 
     def _await_visible(self) -> None:
         """Wait until ``read_committed`` readers see this transaction (read-your-writes).
