@@ -52,6 +52,7 @@ def _restore_matches(address: RunAddress, trainer: Trainer) -> int:
     return result.version
 
 
+@pytest.mark.exclusive
 @pytest.mark.parametrize("loss", ["flushall", "restart"])
 def test_losing_redis_loses_nothing(tmp_path: Path, loss: str) -> None:
     address = make_address("kafka", tmp_path)
@@ -73,6 +74,7 @@ def test_losing_redis_loses_nothing(tmp_path: Path, loss: str) -> None:
         assert coord.current_version(address.run_id) == 8  # rebuilt from the log by restore()
 
 
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_broker_stopped_for_ten_seconds_blocks_commits_and_loses_none(tmp_path: Path) -> None:
     address = make_address("kafka", tmp_path)

@@ -338,6 +338,7 @@ def _kill_leader(topic: str) -> tuple[int, int, float]:
 
 
 @pytest.mark.kafka_cluster
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_leader_kills_lose_nothing_and_commits_snapshots_followers_go_on(
         tmp_path: Path, cluster: None) -> None:
@@ -388,6 +389,7 @@ def test_leader_kills_lose_nothing_and_commits_snapshots_followers_go_on(
 
 
 @pytest.mark.kafka_cluster
+@pytest.mark.exclusive
 @pytest.mark.slow
 def test_commits_in_flight_through_kills_and_below_min_insync_replicas_lose_nothing(
         tmp_path: Path, cluster: None) -> None:
