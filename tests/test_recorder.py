@@ -347,3 +347,37 @@ def test_a_killed_trainer_restores_bit_exact_below_a_truncated_log(
     _, report = replay(run)
     assert report.step == restored["step"] + 6
     assert report.snapshot_version > restored["snapshot_version"] and report.tail_versions < 5
+
+
+def test_a_log_outage_pauses_trainer_snapshots_and_the_next_version_is_snapshotted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A snapshot that meets an unreachable log is skipped with a warning, not given up for
+    the rest of the run: the next due version is snapshotted, and a restore starts there."""
+    from eventlog import EventLogError
+    from snapshotter import service
+
+    monkeypatch.setattr(service, "RETRY_AFTER_S", 0.0)
+    real, tried = service.Snapshotter.publish, []
+
+    def outage_once(self: Snapshotter, source: service.SnapshotSource, t0: float | None = None) -> object:
+        tried.append(source.version)
+        if len(tried) == 1:
+            raise EventLogError("reading offsets of rewind.r.control [0] (no partition leader answered)")
+        return real(self, source, t0)
+
+    monkeypatch.setattr(service.Snapshotter, "publish", outage_once)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    with caplog.at_level("WARNING", logger="snapshotter.service"), \
+            Recorder(_address(tmp_path), model, opt, snapshots=every_versions(2)) as rec:
+        for step in range(4):
+            _train(model, opt)
+            rec.commit(step, wait=True)
+    assert tried == [2, 3]
+    assert "snapshot of run 'r' not written (EventLogError: reading offsets" in caplog.text
+    fresh = torch.nn.Linear(8, 4)
+    with Recorder(_address(tmp_path), fresh, torch.optim.Adam(fresh.parameters())) as rec:
+        result = rec.restore()
+    assert (result.snapshot_version, result.version, result.tail) == (3, 4, 1)
+    assert torch.equal(fresh.weight, model.weight)
