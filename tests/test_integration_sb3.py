@@ -121,6 +121,7 @@ def _child(cfg: dict[str, Any]) -> None:
     False)``, SAC by ``learn(total)`` alone (the callback restores inside ``learn``)."""
     try:
         torch.set_num_threads(1)
+        os.environ["SB3_LOGDIR"] = str(Path(cfg["out"]).parent / "sb3")  # not a folder in /tmp
         model = _model(cfg)
         rewind = None
         if cfg["record"]:
@@ -241,10 +242,12 @@ def _buffer_bytes(url: str, run: str) -> dict[int, int]:
     return sizes
 
 
-def test_a_commit_logs_the_transitions_added_not_the_buffer(tmp_path: Path) -> None:
+def test_a_commit_logs_the_transitions_added_not_the_buffer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """50 transitions into an 8x larger buffer cost the same bytes per commit: about their
     raw size (Pendulum's floats barely compress), whatever the buffer's."""
     url = f"sqlite://{tmp_path / 'rewind.db'}"
+    monkeypatch.setenv("SB3_LOGDIR", str(tmp_path / "sb3"))
     per_commit = {}
     torch.set_num_threads(1)
     for size in (2_000, 16_000):

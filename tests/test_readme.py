@@ -58,6 +58,7 @@ def _run(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     # The README's defaults: no backend chosen in the environment.
     env = {k: v for k, v in os.environ.items()
            if k not in ("REWIND_LOG", "REWIND_COORD", "REWIND_SNAPSHOTS")}
+    env["SB3_LOGDIR"] = str(cwd / "sb3")  # SB3's logger would make a folder in /tmp per learn()
     proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, f"README code failed:\n{code}\n{proc.stderr[-3000:]}"
