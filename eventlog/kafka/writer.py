@@ -225,18 +225,18 @@ class KafkaWriter(LogWriter):
             raise self._fail(exc, "committing a transaction") from exc
 
     def _check_acknowledged(self) -> None:
-        """Fail unless every record of the committed transaction was acknowledged: the
-        commit returns once the transaction is decided, and a record whose delivery failed
-        on its own would leave the version short in the log, found only at the next replay."""
+        """Log an error unless every record of the committed transaction was acknowledged:
+        the commit returns once the transaction is decided, and a record whose delivery
+        failed on its own would leave the version short in the log, found only at the next
+        replay. (Not raised: the version is committed, and the commit cannot be taken back.)"""
         deadline = time.monotonic() + VISIBLE_WAIT_S
         while self._acked < self._produced and self._delivery_error is None \
                 and time.monotonic() < deadline:
             self._producer.poll(0.01)  # reports not yet served
         if self._delivery_error is not None or self._acked < self._produced:
-            raise EventLogError(
-                f"{self._what}: a transaction committed with {self._acked} of its {self._produced} "
-                f"records acknowledged ({self._delivery_error or 'no delivery report'}); the "
-                "version it wrote is incomplete in the log")
+            logger.error("%s: a transaction committed with %d of its %d records acknowledged (%s); "
+                         "the version it wrote may be incomplete: run `rewind verify`", self._what,
+                         self._acked, self._produced, self._delivery_error or "no delivery report")
 
     def _await_visible(self) -> None:
         """Wait until ``read_committed`` readers see this transaction (read-your-writes).
