@@ -138,6 +138,9 @@ class Commit:
 class Child:
     """A subprocess of this module, its output in files (read while it runs)."""
 
+    #: Every child started; the ``cluster`` fixture kills those a failed test left running.
+    started: list[Child] = []
+
     def __init__(self, tmp_path: Path, name: str, args: list[str]) -> None:
         self.stderr_path = tmp_path / f"{name}.err"
         self._out_path = tmp_path / f"{name}.out"
@@ -145,6 +148,7 @@ class Child:
         self._err: IO[str] = self.stderr_path.open("w")
         self.proc = subprocess.Popen([sys.executable, "-m", "tests.test_kafka_cluster", *args], cwd=ROOT,
                                      stdout=self._out, stderr=self._err, text=True)
+        Child.started.append(self)
 
     def lines(self, kind: str) -> list[list[str]]:
         """The printed lines that start with ``kind``, split into words."""
@@ -169,6 +173,15 @@ class Child:
         self.proc.wait(30)
         self._out.close()
         self._err.close()
+
+    @classmethod
+    def kill_leftovers(cls) -> None:
+        """Kill the children still running (a test that failed before stopping them would
+        leave a trainer committing for the rest of the suite)."""
+        for child in cls.started:
+            if child.proc.poll() is None:
+                child.kill()
+        cls.started.clear()
 
 
 class Trainer(Child):
@@ -299,8 +312,11 @@ def _around(commits: list[Commit], at: float) -> str:
 def cluster() -> Iterator[None]:
     """The cluster, with every node running again afterwards."""
     assert CLUSTER and len(PIDFILES) == 3, "REWIND_KAFKA_CLUSTER_PIDFILES must name 3 pid files"
-    yield
-    _started(_start())
+    try:
+        yield
+    finally:
+        Child.kill_leftovers()
+        _started(_start())
 
 
 def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.MonkeyPatch) -> None:
