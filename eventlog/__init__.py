@@ -1,8 +1,11 @@
-"""Rewind's log layer: events, serde, codecs, the EventLog/Coordinator ports, backends, the fold engine."""
+"""Rewind's log layer: events, serde, codecs, the EventLog/Coordinator ports, backends, the fold engine.
 
-from eventlog.backends import RunAddress, list_runs, open_coordinator, open_log
-from eventlog.capture import Stateful
-from eventlog.crypto import AuthenticationError, Keyring
+The errors load with the package (they import nothing); every other name loads from its
+module on first use (``eventlog.lazy``), so ``import eventlog`` does not import torch.
+"""
+
+from typing import TYPE_CHECKING
+
 from eventlog.errors import (
     ConfigError,
     CoordinationError,
@@ -22,7 +25,22 @@ from eventlog.errors import (
     UnknownSchemaError,
     WrongRunError,
 )
-from eventlog.fold.engine import Target
+
+if TYPE_CHECKING:
+    from eventlog.backends import RunAddress, list_runs, open_coordinator, open_log
+    from eventlog.capture import Stateful
+    from eventlog.crypto import AuthenticationError, Keyring
+    from eventlog.fold.engine import Target
+else:
+    from eventlog.lazy import lazy_exports
+
+    __getattr__, __dir__ = lazy_exports(globals(), {
+        "eventlog.backends": ("RunAddress", "list_runs", "open_coordinator", "open_log"),
+        "eventlog.capture": ("Stateful",),
+        "eventlog.crypto": ("AuthenticationError", "Keyring"),
+        "eventlog.fold.engine": ("Target",),
+    })
+    del lazy_exports
 
 __all__ = [
     "AuthenticationError", "Keyring", "ConfigError", "CoordinationError", "CorruptMessageError",

@@ -6,10 +6,14 @@ runs (``snapshots=every_versions(100)`` or ``Snapshots(...)``); ``Follower`` kee
 at the newest version; ``replay`` / ``export`` rebuild any reachable version; snapshot
 policies compose (``every_versions(100) | every_seconds(600)``, ``keep_last(3)``). Every
 error a user can act on is a ``RewindError``.
+
+The errors load with the package; every other name loads from its module on first use
+(``eventlog.lazy``), so ``import rewind`` (and the ``rewind`` CLI's ``--help``) imports no torch.
 """
 
-from eventlog import (
-    AuthenticationError,
+from typing import TYPE_CHECKING
+
+from eventlog.errors import (
     ConfigError,
     CoordinationError,
     CorruptMessageError,
@@ -19,32 +23,45 @@ from eventlog import (
     EventLogError,
     FencedError,
     IntegrityError,
-    Keyring,
     RewindError,
-    RunAddress,
     RunNotFoundError,
     StaleVersionError,
-    Stateful,
     StateMismatchError,
-    Target,
     TargetNotFoundError,
     TruncatedHistoryError,
     UnknownSchemaError,
     WrongRunError,
 )
-from replayer.export import export
-from replayer.follower import Follower, FollowResult
-from replayer.replay import ReplayReport, replay, write_checkpoint
-from rewind.recorder import CommitResult, Recorder, RestoreResult
-from rewind.snapshots import Snapshots
-from snapshotter.policies import (
-    every_seconds,
-    every_versions,
-    keep_all,
-    keep_best,
-    keep_every,
-    keep_last,
-)
+
+if TYPE_CHECKING:
+    from eventlog import AuthenticationError, Keyring, RunAddress, Stateful, Target
+    from replayer.export import export
+    from replayer.follower import Follower, FollowResult
+    from replayer.replay import ReplayReport, replay, write_checkpoint
+    from rewind.recorder import CommitResult, Recorder, RestoreResult
+    from rewind.snapshots import Snapshots
+    from snapshotter.policies import (
+        every_seconds,
+        every_versions,
+        keep_all,
+        keep_best,
+        keep_every,
+        keep_last,
+    )
+else:
+    from eventlog.lazy import lazy_exports
+
+    __getattr__, __dir__ = lazy_exports(globals(), {
+        "eventlog": ("AuthenticationError", "Keyring", "RunAddress", "Stateful", "Target"),
+        "replayer.export": ("export",),
+        "replayer.follower": ("Follower", "FollowResult"),
+        "replayer.replay": ("ReplayReport", "replay", "write_checkpoint"),
+        "rewind.recorder": ("CommitResult", "Recorder", "RestoreResult"),
+        "rewind.snapshots": ("Snapshots",),
+        "snapshotter.policies": (
+            "every_seconds", "every_versions", "keep_all", "keep_best", "keep_every", "keep_last"),
+    })
+    del lazy_exports
 
 __all__ = [
     "AuthenticationError", "CommitResult", "ConfigError", "CoordinationError",

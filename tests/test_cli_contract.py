@@ -15,6 +15,7 @@ import shutil
 import socket
 import stat
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -208,6 +209,44 @@ def test_a_failed_check_exits_1_and_says_so_in_json(cli: tuple[Path, dict[str, R
 def test_a_usage_error_exits_2_in_one_line(cli: tuple[Path, dict[str, Result]], command: str) -> None:
     line = _one_error_line(cli[1][f"usage/{command}"])
     assert line.startswith("error: usage: ") and "--help" in line, line
+
+
+@pytest.mark.parametrize("args", [
+    [], ["--help"], ["replay", "--help"], ["history", "--help"], ["bisect", "--help"],
+    ["snapshotter", "--help"], ["demo", "--help"],
+    ["replay", "--bogus"], ["verify", "--workers", "0"], ["nosuch"],
+])
+def test_help_and_usage_errors_import_no_torch(args: list[str]) -> None:
+    """``rewind --help`` or a mistyped command line answers at once: the script imports torch
+    only when a command runs."""
+    assert REWIND, "the rewind console script is not installed (pip install -e .)"
+    out = subprocess.run([str(REWIND), *args], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPROFILEIMPORTTIME": "1"})
+    timed = [line for line in out.stderr.splitlines() if line.startswith("import time:")]
+    imported = {line.rpartition("|")[2].strip() for line in timed}
+    assert "rewind.cli" in imported  # the import log is there to read
+    assert sorted(m for m in imported if m.split(".")[0] == "torch") == []
+    said = [line for line in out.stderr.splitlines() if not line.startswith("import time:")]
+    if "--help" in args or not args:
+        assert out.returncode == 0 and "Usage: rewind" in out.stdout and said == [], out.stderr
+    else:
+        assert out.returncode == 2 and len(said) == 1 and said[0].startswith("error: usage: "), out.stderr
+
+
+def test_the_packages_load_each_name_on_first_use() -> None:
+    """``import rewind`` imports no torch; every public name still resolves, and is listed."""
+    code = ("import sys, eventlog, rewind, rewind.cli\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n"
+            "from eventlog import Target\n"
+            "assert rewind.Target is Target and 'torch' in sys.modules\n"
+            "from rewind import *\n"
+            "missing = [f'{m.__name__}.{n}' for m in (eventlog, rewind) for n in m.__all__\n"
+            "           if n not in dir(m) or getattr(m, n) is None]\n"
+            "assert not missing, missing\n"
+            "print(Recorder.__name__, every_versions.__name__)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["Recorder", "every_versions"]
 
 
 @pytest.mark.parametrize(("case", "says"), [

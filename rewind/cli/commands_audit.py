@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from eventlog import Target
 from rewind.cli.common import (
     CHECK_FAILED,
     OK,
@@ -25,6 +24,7 @@ from rewind.cli.common import (
     To,
     Workers,
     address_of,
+    target_of,
 )
 from rewind.cli.output import add_notes, count, emit_json, print_lines, say, table_lines
 
@@ -97,7 +97,7 @@ def diff(
     """Per tensor: how many elements changed, the L2 norm of the change, bit equality."""
     from replayer.audit import diff as run_diff
 
-    a, b = Target.parse(from_), Target.parse(to)
+    a, b = target_of(from_), target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     rows = run_diff(address, a, b, workers=workers)
     differs = any(not r.bit_equal for r in rows)

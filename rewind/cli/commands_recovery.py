@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from eventlog import ConfigError, RunAddress, Target
+from eventlog import ConfigError, RunAddress
 from eventlog.settings import current
-from replayer.replay import ReplayReport, replay, write_checkpoint
 from rewind.cli.common import (
     OK,
     AsJson,
@@ -24,15 +23,20 @@ from rewind.cli.common import (
     Workers,
     address_of,
     err,
+    target_of,
 )
 from rewind.cli.output import emit_json, print_lines, table_lines
 
 if TYPE_CHECKING:
+    from eventlog import Target
     from eventlog.fold.engine import RebuiltState
+    from replayer.replay import ReplayReport
 
 
 def replay_with_progress(address: RunAddress, target: Target,
                           workers: int) -> tuple[RebuiltState, ReplayReport]:
+    from replayer.replay import replay
+
     with address.open_log() as log:
         total = sum(log.end_offset(p) - log.start_offset(p) for p in log.partitions())
     cols = (TextColumn("replaying {task.description}"), BarColumn(), TextColumn("{task.completed} msgs"),
@@ -69,7 +73,7 @@ def replay_cmd(
     snapshots: Snaps = None,
 ) -> int:
     """Rebuild and verify the state at a target; print what was applied and skipped."""
-    target = Target.parse(to)
+    target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     _, report = replay_with_progress(address, target, workers)
     if json_out:
@@ -86,7 +90,9 @@ def recover(
     snapshots: Snaps = None,
 ) -> int:
     """Write a restorable checkpoint (torch state_dicts, msgpack states, recovery.json)."""
-    target = Target.parse(to)
+    from replayer.replay import write_checkpoint
+
+    target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     state, report = replay_with_progress(address, target, workers)
     files = write_checkpoint(state, report, out)
@@ -115,7 +121,7 @@ def export(
         raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     if config_hook:
         load_hook(config_hook)
-    target = Target.parse(to)
+    target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     state, report = replay_with_progress(address, target, workers)
     files = do_export(state, report, out, fmt, config_hook)

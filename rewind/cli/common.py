@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 
 from eventlog import ConfigError, RunAddress
+
+if TYPE_CHECKING:
+    from eventlog import Target
 
 #: Exit statuses (see the ``rewind.cli`` docstring).
 OK, CHECK_FAILED, ERROR = 0, 1, 2
@@ -33,6 +36,14 @@ Snaps = Annotated[str | None, typer.Option(
 To = Annotated[str, typer.Option("--to", help="latest, version=V, step=N, gsn=G or offset=P")]
 Workers = Annotated[int, typer.Option("--workers", min=1, help="shards replayed in parallel")]
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object (shape: rewind --help)")]
+
+
+def target_of(text: str) -> Target:
+    """The replay target a ``--to`` or ``--from`` value names (``Target.parse``); imported here,
+    when a command runs, because the fold engine imports torch."""
+    from eventlog import Target
+
+    return Target.parse(text)
 
 
 def address_of(
