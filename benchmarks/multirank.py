@@ -230,7 +230,7 @@ def _f(v: Any, unit: str = "", digits: int = 2) -> str:
 def notes(fig: dict[str, Any], cores: int) -> dict[str, str]:
     """Where this machine bounds a figure, per row key."""
     world = int(fig["world"])
-    fold = "every rank folds all shards"
+    fold = "each rank folds its own shards"
     if world <= cores:
         return {"restore": fold}
     over = f"{world} ranks, {cores} cores"

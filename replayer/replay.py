@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,8 @@ import torch
 from eventlog import RunAddress, Target
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
 from eventlog.errors import BatchedStepsMismatchError, DecodeError, IntegrityError
-from eventlog.fold.engine import FoldStart, RebuiltState, index_control, rebuild
+from eventlog.events import RunStarted
+from eventlog.fold.engine import FoldStart, RebuiltState, SmallStates, index_control, rebuild
 from eventlog.ports import EventLog
 from eventlog.settings import Settings, current
 from snapshotter.catalog import newest_valid, run_store
@@ -73,6 +74,7 @@ def replay(
     use_snapshots: bool = True,
     settings: Settings | None = None,
     share_torch_threads: bool = False,
+    shards: Callable[[RunStarted, SmallStates], Collection[int]] | None = None,
 ) -> tuple[RebuiltState, ReplayReport]:
     """Rebuild the run's state at ``target`` from the newest good snapshot at or before it
     plus the log tail, verified against the target's seal.
@@ -81,7 +83,8 @@ def replay(
     ``current()``, whose limits the fold's internals use). ``share_torch_threads``: divide
     torch's intra-op threads among the workers while they fold; it changes a process-wide
     setting (restored after), so only a process that owns torch turns it on (the ``rewind``
-    CLI does)."""
+    CLI does). ``shards``: fold and verify only the shards it chooses (see
+    ``eventlog.fold.engine.rebuild``)."""
     settings = settings or current()
     t0 = time.perf_counter()
     with address.open_log() as log:
@@ -98,7 +101,7 @@ def replay(
         def fold(start: FoldStart | None, batched: bool) -> RebuiltState:
             return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
                            defer_steps=batched, grad_digests=not batched,
-                           share_torch_threads=share_torch_threads)
+                           share_torch_threads=share_torch_threads, shards=shards)
 
         # A batched fold leaves to the target's seal what the seal covers: each gradient
         # chunk's digest (hashing them streamed 4 GB through memory a second time in a

@@ -3,8 +3,9 @@ which part of the state each rank records and restores.
 
 Every rank runs a ``Recorder`` on the same run with its process group. The recorder makes a
 gloo group of its own (``RankGroup``), so its agreement, on the committer thread, never
-interleaves with the trainer's collectives. Rank ``r`` owns tensor shards
-``r*k .. r*k+k-1`` (each partition keeps one writer) and records:
+interleaves with the trainer's collectives. Rank ``r`` of ``W`` owns a contiguous run of
+the ``S`` tensor shards, ``r*S//W .. (r+1)*S//W - 1`` (``owned_shards``; each partition keeps
+one writer), and records:
 
 * the local shards of its DTensors as ``rank<r>/<path>`` (``<path>``: the tensor's place in
   the state tree, e.g. ``model/fc.weight``);
@@ -17,7 +18,7 @@ interleaves with the trainer's collectives. Rank ``r`` owns tensor shards
 
 Parts travel between ranks as msgpack bytes in uint8 tensors (no pickle). A restore at
 another world size reslices the DTensors from the full tensors ``replayer.assemble`` puts
-together (``rank_trees``).
+together (``rank_trees``). ``rewind.ranks_commit`` runs the recorder's side of all this.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from eventlog.capture import TENSOR_ROLES, Stateful, unflatten
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import DecodeError, RewindError, StateMismatchError
 from eventlog.events import Envelope, TensorSpec
+from eventlog.fold.apply import TensorBits
 from eventlog.fold.engine import RebuiltState, events
 from eventlog.layout import assign_shards
 from eventlog.ports import EventLog
@@ -96,9 +98,11 @@ class RankGroup:
         return int(dist.get_global_rank(self.group, rank))
 
 
-def owned_shards(rank: int, per_rank: int) -> range:
-    """The tensor shards rank ``rank`` writes."""
-    return range(rank * per_rank, (rank + 1) * per_rank)
+def owned_shards(rank: int, world: int, shards: int) -> range:
+    """The tensor shards rank ``rank`` of ``world`` writes, of a run of ``shards``: a
+    contiguous run of ``shards // world`` or one more (``r*k .. r*k+k-1`` when ``world``
+    divides ``shards`` into ``k`` each)."""
+    return range(rank * shards // world, (rank + 1) * shards // world)
 
 
 # ---------------------------------------------------------------------- capture
@@ -183,14 +187,13 @@ def _walk(node: Any, path: str, leaf: Any) -> Any:
 
 
 def assign_rank_shards(
-    layout: Mapping[str, tuple[str, tuple[int, ...]]], rank: int, per_rank: int,
-    previous: Sequence[TensorSpec],
+    layout: Mapping[str, tuple[str, tuple[int, ...]]], owned: range, previous: Sequence[TensorSpec],
 ) -> tuple[TensorSpec, ...]:
-    """``assign_shards`` over this rank's own shards only (global shard indices)."""
-    base = rank * per_rank
+    """``assign_shards`` over this rank's ``owned`` shards only (global shard indices)."""
+    base = owned.start
     local_prev = [TensorSpec(s.name, s.dtype, tuple(s.shape), s.shard - base) for s in previous]
     return tuple(TensorSpec(s.name, s.dtype, s.shape, s.shard + base)
-                 for s in assign_shards(layout, per_rank, local_prev))
+                 for s in assign_shards(layout, len(owned), local_prev))
 
 
 def bits_digest(name: str, spec: tuple[str, tuple[int, ...]], bits: np.ndarray, chunk_bytes: int) -> bytes:
@@ -269,12 +272,12 @@ def shard_digests_of(specs: Iterable[TensorSpec], shards: Iterable[int],
 
 
 # ---------------------------------------------------------------------- restore
-def unsealed_tail(log: EventLog, shards: int, sealed: int) -> tuple[int, int]:
-    """The newest version and gsn of any record on a shard partition past the newest
+def unsealed_tail(log: EventLog, shards: Iterable[int], sealed: int) -> tuple[int, int]:
+    """The newest version and gsn of any record on the ``shards`` partitions past the newest
     sealed version ``sealed``: the part of a rank that wrote it before a crash. ``(0, 0)``
     if there is none. Versions within a partition never decrease, so the last record tells."""
     newest, gsn = 0, 0
-    for shard in range(shards):
+    for shard in shards:
         env = _last_event(log, shard)
         if env is not None and env.version > sealed:
             newest, gsn = max(newest, env.version), max(gsn, env.gsn)
@@ -296,14 +299,17 @@ def _last_event(log: EventLog, partition: int) -> Envelope | None:
         width *= 8
 
 
-def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, world: int) -> dict[str, Any]:
+def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, world: int,
+               replicated: Mapping[str, TensorBits] | None = None) -> dict[str, Any]:
     """The state trees rank ``rank`` of ``world`` restores, its DTensors rebuilt over the live
-    meshes. At the recorded world size these are its own recorded part; at another, its
-    DTensors' local shards are cut from the full tensors (``replayer.assemble``) with the
-    recorded placements, and its other states are recorded rank ``source_rank(rank)``'s."""
+    meshes. At the recorded world size these are its own recorded part (``state`` may hold
+    only this rank's shards, ``replicated`` the replicated tensors rank 0's shards hold); at
+    another, its DTensors' local shards are cut from the full tensors (``replayer.assemble``)
+    with the recorded placements, and its other states are recorded rank
+    ``source_rank(rank)``'s."""
     states = state.small.states
-    bits = {n: t for s in state.shards for n, t in s.tensors.items()}
-    recorded = assemble.recorded_world(states, set(bits))
+    bits = {**(replicated or {}), **{n: t for s in state.shards for n, t in s.tensors.items()}}
+    recorded = recorded_world(state)
     if not recorded:
         raise StateMismatchError(f"run {state.run_id!r} was not recorded by the ranks of a process group "
                                  "(restore it with a Recorder without group=)")
@@ -320,7 +326,11 @@ def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, 
         assemble.collect_refs(tree, wanted)
     local = {n: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape) for n, t in bits.items()
              if n in wanted or (recorded != world and assemble.rank_of(n) is not None)}
-    tensors = {n: local[n] for n in wanted if n in local}
+    lacking = sorted(wanted - local.keys())
+    if lacking:
+        raise StateMismatchError(f"run {state.run_id!r}: rank {rank} restores tensors its rebuilt part "
+                                 f"lacks: {', '.join(map(repr, lacking[:3]))}")
+    tensors = {n: local[n] for n in wanted}
     meshes = _live_meshes(objects)
     for name, placed in layouts[src].items():
         if name not in wanted:
@@ -366,10 +376,11 @@ def _live_meshes(objects: Mapping[str, Stateful]) -> list[DeviceMesh]:
     return found
 
 
-def load_rank(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, world: int) -> None:
+def load_rank(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, world: int,
+              replicated: Mapping[str, TensorBits] | None = None) -> None:
     """Load what rank ``rank`` of ``world`` restores (``rank_trees``) into the live objects;
     nothing is loaded on a mismatch."""
-    trees = rank_trees(objects, state, rank, world)
+    trees = rank_trees(objects, state, rank, world, replicated)
     for name, tree in trees.items():
         try:
             objects[name].load_state_dict(tree)
@@ -379,4 +390,4 @@ def load_rank(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, w
 
 def recorded_world(state: RebuiltState) -> int:
     """The world size that recorded ``state``'s version (0: one process recorded it)."""
-    return assemble.recorded_world(state.small.states, {n for s in state.shards for n in s.tensors})
+    return assemble.recorded_world(state.small.states, {s.name for s in state.layout.tensors})

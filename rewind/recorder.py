@@ -28,7 +28,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import msgpack
 import numpy as np
 import torch
 
@@ -67,7 +66,7 @@ from eventlog.settings import Settings, current
 from replayer.assemble import full_state
 from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
-from rewind import allocator, distributed, fingerprint
+from rewind import allocator, distributed, fingerprint, ranks_commit
 from rewind.snapshots import Snapshots, with_store
 from schemas import SCHEMA_VERSION
 from snapshotter.policies import Trigger
@@ -257,12 +256,10 @@ class Recorder:
         self._shards = self._log.shard_count() or shards
         # Becoming the writer fences any older process with the same writer id (a zombie).
         self._writer = self._log.writer(self.writer_id)
-        # Multi-rank: the global layout, the versions an unsealed part took (never reused).
-        self._global_specs: tuple[TensorSpec, ...] = ()
-        self._skip = 0
         self._refuse = ""  # why commit() refuses (a multi-rank run restored without group=)
-        if self._group is not None:
-            self._start_group(shards)
+        # Multi-rank: agrees on the run's shard count now; commits and restores through it.
+        self._ranks = None if self._group is None else ranks_commit.RankCommit(
+            self, self._group, shards, restorer, _Emitter, _KINDS, REWIND_VERSION)
         self._serialize = serde.EnvelopeSerializer()
         # Last committed state: the XOR base, its chunk digests, its layout, its small states.
         self._version = 0
@@ -600,166 +597,19 @@ class Recorder:
         self._version, self._last_gsn = version, last_gsn
 
     # ------------------------------------------------------------------ multi-rank
-    def _start_group(self, shards: int) -> None:
-        """Agree on the run's shard count (``shards`` per rank for a new run) and create it."""
-        g = self._group
-        assert g is not None
-        total = self._log.shard_count() or shards * g.world
-        if total % g.world:
-            raise ConfigError(f"run {self.run_id!r} has {total} tensor shards, which {g.world} ranks "
-                              "cannot share evenly: restore it at a world size that divides that count")
-        if g.rank == 0:
-            self._log.create(total)
-        g.barrier()  # the partitions exist before any rank writes its part
-        self._shards = total
-        self._per_rank = total // g.world
-
     def _write_group(self, job: _Job) -> CommitResult:
-        """One rank's side of a multi-rank version: its part in its own transaction, then the
-        agreement; rank 0 seals the version once every part is durable."""
-        g = self._group
-        assert g is not None
-        t0 = time.perf_counter()
-        base = self._version
-        version = base + 1 + self._skip
-        mine = distributed.owned_shards(g.rank, self._per_rank)
-        specs, emitted = self._specs, 0
-        chunk_digests: dict[str, list[bytes]] = {}
-        report, failure = distributed.PartReport(), None
-        try:
-            if job.base_version is not None and job.base_version != base:
-                raise StaleVersionError(job.base_version, base)
-            own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
-            layout = {n: job.layout[n] for n in own}
-            if {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout:
-                specs = distributed.assign_rank_shards(layout, g.rank, self._per_rank, specs)
-            spec_of = {s.name: s for s in specs}
-            counts = [0] * self._shards
-            if own:
-                most = sum(len(tensorcodec.chunk_ranges(len(b), self._chunk_bytes)) for b in own.values())
-                first = self._allocate_gsns(most)
-                with self._writer.transaction() as txn:
-                    emit = _Emitter(self, txn, version, job.step, first)
-                    chunk_digests, report.encoded_bytes, _ = self._encode(
-                        dataclasses.replace(job, staged=own), spec_of, set(), emit)
-                counts, emitted, report.last_gsn = emit.shard_counts, emit.gsn - first, emit.gsn - 1
-            digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name]) for s in specs}
-            report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
-            report.counts = {s: counts[s] for s in mine}
-            report.digests = distributed.shard_digests_of(specs, mine, digests)
-            report.small = {n: b for n, b in job.small.items() if self._small.get(n) != b}
-            report.replicas = {n: digests[n] if n in digests else distributed.bits_digest(
-                n, job.layout[n], job.staged[n], self._chunk_bytes) for n in job.replicated}
-            report.raw_bytes = sum(len(b) for b in own.values())
-        except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
-            failure = exc
-            report = distributed.PartReport(error=f"{type(exc).__name__}: {exc}")
-        reports = [distributed.PartReport.unpack(b, r) for r, b in enumerate(g.all_gather(report.pack()))]
-        distributed.check_parts(reports, version, failure)
-        small = dict(self._small)
-        for rep in reports:
-            small.update(rep.small)
-        global_specs = tuple(sorted((TensorSpec(n, d, s, h) for rep in reports for n, d, s, h in rep.specs),
-                                    key=lambda s: s.name))
-        outcome, sealed = "", None
-        if g.rank == 0:
-            try:
-                sealed = self._seal_group(job, base, version, reports, global_specs, small)
-            except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
-                failure, outcome = exc, f"{type(exc).__name__}: {exc}"
-        outcome = g.broadcast(outcome.encode()).decode()
-        if failure is not None:
-            raise failure
-        if outcome:
-            raise RewindError(f"version {version} was not sealed: rank 0 failed to seal it ({outcome})")
-        self._global_specs, self._skip = global_specs, 0
-        last = max(report.last_gsn, self._last_gsn, sealed or 0)
-        self._advance(job, specs, chunk_digests, small, version, last)
-        return CommitResult(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
-                            report.encoded_bytes, time.perf_counter() - t0,
-                            f"xor-delta/blosc2-zstd (multi-rank, {g.world} ranks)")
-
-    def _seal_group(self, job: _Job, base: int, version: int, reports: list[distributed.PartReport],
-                    specs: tuple[TensorSpec, ...], small: dict[str, bytes]) -> int:
-        """Rank 0: the version's control events and its global seal, in one transaction,
-        after every rank's part is durable; returns the seal's gsn."""
-        control: list[Body] = []
-        if specs != self._global_specs:
-            control.append(RunStarted(
-                self._shards, specs, tuple(sorted(small)), config_digest(specs, list(small)),
-                torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
-                REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes))
-        for name, state in sorted(small.items()):
-            if self._small.get(name) != state:
-                control.append(_KINDS.get(name.rpartition("/")[2], CustomState)(name, state))
-        if job.metrics:
-            control.append(Metrics(job.metrics))
-        counts, digests = [0] * self._shards, [b""] * self._shards
-        for rep in reports:
-            for shard, n in rep.counts.items():
-                counts[shard] = n
-            for shard, d in rep.digests.items():
-                digests[shard] = d
-        small_dig = small_digest(small)
-        control.append(CommitSealed(
-            base, tuple(counts), len(control), tuple(digests), small_dig, state_digest(digests, small_dig),
-            f"xor-delta/blosc2-zstd (multi-rank, {len(reports)} ranks)",
-            sum(r.raw_bytes for r in reports), sum(r.encoded_bytes for r in reports)))
-        self._claim_version(base, version)
-        try:
-            first = self._allocate_gsns(len(control))
-            with self._writer.transaction() as txn:
-                emit = _Emitter(self, txn, version, job.step, first)
-                for event in control:
-                    emit(CONTROL, event)
-        except BaseException:
-            with contextlib.suppress(RewindError):
-                self._coord.compare_and_set_version(self.run_id, version, base)
-            raise
-        return emit.gsn - 1
+        """One rank's side of a multi-rank version (``rewind.ranks_commit``)."""
+        assert self._ranks is not None
+        return CommitResult(**dataclasses.asdict(self._ranks.write(job)))
 
     def _restore_group(self) -> RestoreResult:
-        """Each rank loads its own part of the newest sealed version; every rank learns which
-        version numbers a crashed commit's unsealed parts took, so none is reused."""
-        g = self._group
-        assert g is not None
+        """Each rank loads its own part of the newest sealed version (``rewind.ranks_commit``)."""
+        assert self._ranks is not None
         t0 = time.perf_counter()
-        state, report = None, None
-        with contextlib.suppress(RunNotFoundError):
-            state, report = self._restorer(self._log)
-        sealed = 0 if state is None else state.version
-        tail_version, tail_gsn = distributed.unsealed_tail(self._log, self._shards, sealed)
-        seen = [msgpack.unpackb(b) for b in g.all_gather(msgpack.packb([sealed, tail_version, tail_gsn]))]
-        if any(v != sealed for v, _, _ in seen):
-            raise RewindError(f"the ranks restored different versions ({[v for v, _, _ in seen]}): the "
-                              "log changed while they read it; restore again once no rank commits")
-        newest = max(max(v for _, v, _ in seen), sealed)
-        floor = max(t for _, _, t in seen)
-        if state is not None:
-            distributed.load_rank(self._objects, state, g.rank, g.world)
-            mine = set(distributed.owned_shards(g.rank, self._per_rank))
-            self._global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
-            if distributed.recorded_world(state) == g.world:
-                self._specs = tuple(s for s in state.layout.tensors if s.shard in mine)
-                self._prev = {n: t.bits.copy() for s in state.shards if s.shard in mine
-                              for n, t in s.tensors.items()}
-            else:
-                # Resharded: the shards this rank now owns held other ranks' tensors, so its
-                # first commit writes every tensor in full (the new layout drops the old names).
-                self._specs, self._prev = (), {}
-            self._chunk_bytes = state.layout.chunk_bytes
-            self._small = dict(state.small.states)
-            floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
-        self._prev_chunks = {}
-        self._version, self._skip = sealed, newest - sealed
-        self._last_gsn = max(self._last_gsn, floor)
-        if g.rank == 0:
-            self._coord.reset_version(self.run_id, sealed)
-            self._coord.raise_gsn_floor(self.run_id, self._last_gsn)
-        g.barrier()  # no rank commits before rank 0 set the coordinator
-        if state is None or report is None:
+        restored = self._ranks.restore()
+        if restored is None:
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
-        return _restored(state, report, t0)
+        return _restored(*restored, t0)
 
     def _allocate_gsns(self, count: int) -> int:
         """The first of ``count`` fresh gsns, all above every gsn this recorder has seen."""

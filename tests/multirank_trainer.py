@@ -17,7 +17,8 @@ and writes its final state's bits to ``<out>/rank<r>.msgpack``. ``cfg``: ``log``
 ``full`` (rank 0 also writes the gathered full model and optimizer tensors right after the
 restore, ``full-restored.msgpack``, and at the end, ``full-final.msgpack``), and faults.
 After each restore rank 0 writes ``round<k>.json``: the step restored, the records no seal
-names, and the sealed versions.
+names, and the sealed versions; and every rank ``restore<k>-rank<r>.json``: the version it
+restored, the version of the snapshot it started from and the events it applied.
 
 Faults (test-only, by monkeypatching here, never in the product), ``kills``: one per round:
 ``step:R:N``: rank R SIGKILLs itself right after training step N (before committing it);
@@ -213,6 +214,9 @@ def train(cfg: dict[str, Any]) -> None:
                           shards=2, snapshots=snapshots, group=dist.group.WORLD)
     try:
         restored = rec.restore()
+        (out / f"restore{round_}-rank{rank}.json").write_text(json.dumps(
+            {"version": restored.version, "snapshot_version": restored.snapshot_version,
+             "applied": restored.applied}))
         if rank == 0:
             orphans, sealed = unsealed_records(address)
             (out / f"round{round_}.json").write_text(json.dumps(

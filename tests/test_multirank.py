@@ -5,10 +5,12 @@ launcher process (a module fixture) to keep the suite short:
   inside the global seal, after a part and before the seal), each time restarted whole by
   the launcher, ends bit-equal to one uninterrupted run; every crashed part is skipped as
   unsealed and its version number is never sealed; on Kafka, one kill inside a commit;
+  each restore at the recorded world size folds only the rank's own shards;
 * DDP replica drift fails that version's commit, naming rank and tensor;
 * a run recorded at 4 ranks restores at 2 (every full tensor bit-equal to the recorded full
-  state) and continues; ``export`` and a ``Follower`` of it get full tensors; a 2-rank run
-  restores into a plain model."""
+  state) and continues, grows back to 4, then restores at 3 (which does not divide its 8
+  shards); ``export`` and a ``Follower`` of it get full tensors; a 2-rank run restores into
+  a plain model."""
 
 from __future__ import annotations
 
@@ -26,7 +28,9 @@ import torch
 
 import rewind
 from eventlog.backends import RunAddress
-from eventlog.fold.engine import Target, index_control
+from eventlog.events import SMALL_STATE_TYPES
+from eventlog.fold.engine import Target, events, index_control
+from eventlog.ports import CONTROL
 from replayer.export import export
 from replayer.follower import Follower
 from replayer.replay import replay
@@ -111,6 +115,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     j.add("at4", at4, nproc=4, full=True)
     j.add("at2", at4, full=True, steps=STEPS + 2)
     j.add("grow", at4, nproc=4, full=True, steps=STEPS + 3)
+    j.add("at3", at4, nproc=3, full=True, steps=STEPS + 4)
     for name in ("u", "c", "d", "r"):
         (root / name).mkdir()
     j.run()
@@ -147,6 +152,28 @@ def test_fsdp_killed_inside_a_commit_on_kafka_is_bit_equal(jobs: Jobs) -> None:
     _check_chain(jobs, "kafka", {1: "after rank 1's part, before the seal"})
 
 
+def test_each_rank_restores_by_folding_only_its_own_shards(jobs: Jobs) -> None:
+    """Each restore of the chain applies, on rank r, the tail's small-state events and the
+    tail's events on rank r's two shards: nothing of the other rank's shards."""
+    tails = 0
+    with jobs.addresses["chain"].open_log() as log:
+        sealed = set(index_control(log).seals)
+        for k in range(1, len(CHAIN) + 1):
+            got = [json.loads((jobs.out("chain") / f"restore{k}-rank{r}.json").read_text()) for r in range(2)]
+            after, upto = got[0]["snapshot_version"], got[0]["version"]
+            assert all((g["snapshot_version"], g["version"]) == (after, upto) for g in got)
+
+            def tail(partitions: list[int], after: int = after, upto: int = upto) -> int:
+                return sum(1 for p in partitions for _, _, env in events(log, p)
+                           if after < env.version <= upto and env.version in sealed
+                           and (p != CONTROL or isinstance(env.body, SMALL_STATE_TYPES)))
+
+            control, own = tail([CONTROL]), [tail([2 * r, 2 * r + 1]) for r in range(2)]
+            assert [g["applied"] for g in got] == [control + n for n in own], k
+            tails += all(n > 0 for n in own)
+    assert tails, "no restore in the chain folded a tail on both ranks"
+
+
 def test_ddp_replica_drift_fails_that_versions_commit(jobs: Jobs) -> None:
     assert not jobs.outcome["ddp"][0]["ok"]
     for rank in range(2):
@@ -178,8 +205,21 @@ def test_recorded_at_2_ranks_grows_to_4(jobs: Jobs) -> None:
     for rank, now in enumerate(jobs.ranks("grow", 4)):
         assert _advanced(at2[rank % 2]["sampler"], rank, 1) == now["sampler"]
     # The run, recorded at 4, 2 and 4 ranks, verifies.
-    state, _ = replay(jobs.addresses["at4"], use_snapshots=False)
+    state, _ = replay(jobs.addresses["at4"], Target("step", STEPS + 3), use_snapshots=False)
     assert state.step == STEPS + 3
+
+
+def test_recorded_at_4_ranks_restores_at_3_that_does_not_divide_its_shards(jobs: Jobs) -> None:
+    jobs.ok("at3")
+    # 8 shards over 3 ranks: 2, 3 and 3; rows of 6, 5 and 4 cut 2+2+2, 2+2+1 and 2+2+0.
+    assert _read(jobs.out("at3") / "full-restored.msgpack") == _read(jobs.out("grow") / "full-final.msgpack")
+    grow = jobs.ranks("grow", 4)
+    for rank, now in enumerate(jobs.ranks("at3", 3)):
+        assert _advanced(grow[rank]["sampler"], rank, 1) == now["sampler"]
+    # Its version at 3 ranks, each rank's part on shards of its own, is sealed and verifies.
+    state, _ = replay(jobs.addresses["at4"], use_snapshots=False)
+    assert state.step == STEPS + 4
+    assert sorted({s.shard for s in state.layout.tensors if s.name.startswith("rank1/")}) == [2, 3, 4]
 
 
 def _advanced(state: dict[str, int], rank: int, batches: int) -> dict[str, int]:
@@ -209,9 +249,9 @@ def test_export_and_follower_of_a_sharded_run_get_full_tensors(jobs: Jobs, tmp_p
     opt = torch.load(tmp_path / "pt" / "optimizer.pt", weights_only=True)
     assert list(opt["state"][0]["exp_avg"].shape) == [6, IN]
 
-    latest = _full_by_name(_read(jobs.out("grow") / "full-final.msgpack"), model)
+    latest = _full_by_name(_read(jobs.out("at3") / "full-final.msgpack"), model)
     with Follower(address, model) as follower:
-        assert follower.poll().version_after == _version_of_step(address, STEPS + 3)
+        assert follower.poll().version_after == _version_of_step(address, STEPS + 4)
         live = model.state_dict()
         assert all(torch.equal(live[k], latest[k]) for k in latest)
 

@@ -224,7 +224,9 @@ class ShardState:
             if name not in listed:
                 del self.tensors[name]
         for name, spec in listed.items():
-            if name not in self.tensors and tensorcodec.nbytes_of(spec.dtype, tuple(spec.shape)) == 0:
+            if tensorcodec.nbytes_of(spec.dtype, tuple(spec.shape)) == 0:
+                # Also over an older non-empty tensor of that name (a rank's shard that a
+                # resharding left empty): its FULL write had no chunk to replace it with.
                 self.tensors[name] = TensorBits(spec.dtype, tuple(spec.shape), np.empty(0, np.uint8))
 
 

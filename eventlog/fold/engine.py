@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -405,6 +405,7 @@ def rebuild(
     defer_steps: bool | None = None,
     grad_digests: bool = True,
     share_torch_threads: bool = False,
+    shards: Callable[[RunStarted, SmallStates], Collection[int]] | None = None,
 ) -> RebuiltState:
     """Rebuild and verify the state at ``target``: from ``start`` (a snapshot) or the whole log.
 
@@ -413,7 +414,10 @@ def rebuild(
     (``None``: ``Settings.replay_defer_steps``);
     ``grad_digests``: check each batched gradient chunk's digest (see ``fold_shard``).
     ``share_torch_threads``: divide torch's intra-op threads among the workers while they
-    fold (process-wide, restored after; for a process that owns torch, like the CLI's)."""
+    fold (process-wide, restored after; for a process that owns torch, like the CLI's).
+    ``shards``: given the layout and the verified small states, the tensor shards to fold
+    and verify (``None``: all); the state then holds only those (one rank's part of a
+    multi-rank run, say)."""
     idx = idx or index_control(log)
     version = idx.resolve(target)
     layout = idx.layout_at(version, start.layout if start else None)
@@ -424,6 +428,10 @@ def rebuild(
     control_gt = start.next_offsets[0] - 1 if start else None
     small = fold_control(log, idx, version, start.small if start else None, control_gt)
     verify_small(small, info)
+    chosen = range(layout.shard_count) if shards is None else sorted(set(shards(layout, small)))
+    if any(not 0 <= s < layout.shard_count for s in chosen):
+        raise IntegrityError(f"run {log.run_id!r}: asked to fold shards {list(chosen)} of a layout of "
+                             f"{layout.shard_count}")
     seals = {v: s.seal for v, s in idx.seals.items()}
 
     def one(shard: int, board: WorkBoard | None) -> ShardState:
@@ -440,16 +448,16 @@ def rebuild(
     # Workers share the optimizer steps' tiles and the digests' tensors: one whose shards
     # are done helps the others.
     with _torch_threads_per_worker(workers if share_torch_threads else 1):
-        shards = map_shared(workers, range(layout.shard_count), one)
+        folded = map_shared(workers, chosen, one)
     total = small.counts
     per_shard = {}
-    for s in shards:
+    for s in folded:
         per_shard[s.shard] = s.counts
         total = total.merged(s.counts)
     if len(info.seal.shard_counts) != layout.shard_count:
         raise IntegrityError(f"seal of version {version} counts {len(info.seal.shard_counts)} shards")
     return RebuiltState(
-        log.run_id, version, info.step, layout, shards, small, info, total, per_shard, idx,
+        log.run_id, version, info.step, layout, folded, small, info, total, per_shard, idx,
         start.source if start else "the start of the log",
     )
 

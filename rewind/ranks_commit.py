@@ -1,0 +1,287 @@
+"""One rank's side of a multi-rank ``Recorder`` (``group=``): creating the run, writing the
+rank's part of each version, sealing it (rank 0), and restoring the rank's own part.
+
+``RankCommit`` keeps what only a multi-rank recorder has (its rank group, the shards this rank
+owns, the run's global layout, the version numbers an unsealed part took) and works on its
+recorder's commit state: the XOR base, the specs, the small states, the version and the gsn
+floor, which ``rewind.recorder`` hands over the way its single-process commit does. The
+agreement's messages, the per-rank capture and the loading of a part are
+``rewind.distributed``'s; ``docs/multirank.md`` describes the protocol.
+
+A restore at the recorded world size folds only this rank's shards (the newest valid
+snapshot plus the tail), each checked against the global seal's count and digest for that
+shard; the replicated tensors, which rank 0's shards hold, reach the other ranks in one
+broadcast from rank 0. At another world size every rank folds the whole version, since it
+cuts its region out of full tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack
+import numpy as np
+import torch
+
+from eventlog import tensorcodec
+from eventlog.digests import small_digest, state_digest, tensor_digest
+from eventlog.errors import ConfigError, DecodeError, RewindError, RunNotFoundError, StaleVersionError
+from eventlog.events import Body, CommitSealed, CustomState, Metrics, RunStarted, TensorSpec
+from eventlog.fold.apply import TensorBits
+from eventlog.fold.engine import RebuiltState, SmallStates
+from eventlog.layout import config_digest
+from eventlog.ports import CONTROL, LogTransaction
+from replayer import assemble
+from replayer.replay import LATEST, ReplayReport, Restorer, replay
+from rewind import distributed
+from schemas import SCHEMA_VERSION
+
+if TYPE_CHECKING:
+    from rewind.recorder import Recorder, _Job
+
+
+class Emitter(Protocol):
+    """Appends one version's events to an open log transaction (``rewind.recorder``'s)."""
+
+    gsn: int
+    shard_counts: list[int]
+
+    def __call__(self, shard: int, body: Body) -> None: ...
+
+
+#: ``(recorder, transaction, version, step, first gsn) -> Emitter``.
+EmitterFactory = Callable[["Recorder", LogTransaction, int, int, int], Emitter]
+
+
+@dataclass(frozen=True)
+class PartCommitted:
+    """A sealed multi-rank version as this rank saw it (the fields of ``CommitResult``)."""
+
+    version: int
+    step: int
+    events: int
+    raw_bytes: int
+    encoded_bytes: int
+    seconds: float
+    encoding: str
+
+
+class RankCommit:
+    """The multi-rank side of recorder ``rec``: agrees with the other ranks on the run's shard
+    count (``shards`` per rank for a new run) and creates it. ``restorer``: the recorder's
+    own restore hook, if it was given one (it rebuilds the whole version on every rank).
+    From the recorder's module: ``emitter`` (how it writes a version's events), ``kinds``
+    (the event type of each small state, by name; others are ``CustomState``) and
+    ``rewind_version`` (what a ``RunStarted`` records)."""
+
+    def __init__(self, rec: Recorder, group: distributed.RankGroup, shards: int, restorer: Restorer | None,
+                 emitter: EmitterFactory, kinds: Mapping[str, type[Any]], rewind_version: str) -> None:
+        self._rec, self.group, self._emitter, self._restorer = rec, group, emitter, restorer
+        self._kinds, self._rewind_version = kinds, rewind_version
+        total = rec._log.shard_count() or shards * group.world
+        if total < group.world:
+            raise ConfigError(f"run {rec.run_id!r} has {total} tensor shards, fewer than the {group.world} "
+                              "ranks (each rank writes shards of its own): restore it at a world size of "
+                              f"at most {total}")
+        if group.rank == 0:
+            rec._log.create(total)
+        group.barrier()  # the partitions exist before any rank writes its part
+        rec._shards = total
+        self.owned = distributed.owned_shards(group.rank, group.world, total)
+        #: The run's global layout, and how many version numbers unsealed parts took.
+        self.global_specs: tuple[TensorSpec, ...] = ()
+        self.skip = 0
+
+    # ------------------------------------------------------------------ commit
+    def write(self, job: _Job) -> PartCommitted:
+        """This rank's side of a version: its part in its own transaction, then the
+        agreement; rank 0 seals the version once every part is durable."""
+        rec, g = self._rec, self.group
+        t0 = time.perf_counter()
+        base = rec._version
+        version = base + 1 + self.skip
+        specs, emitted = rec._specs, 0
+        chunk_digests: dict[str, list[bytes]] = {}
+        report, failure = distributed.PartReport(), None
+        try:
+            if job.base_version is not None and job.base_version != base:
+                raise StaleVersionError(job.base_version, base)
+            own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
+            layout = {n: job.layout[n] for n in own}
+            if {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout:
+                specs = distributed.assign_rank_shards(layout, self.owned, specs)
+            spec_of = {s.name: s for s in specs}
+            counts = [0] * rec._shards
+            if own:
+                most = sum(len(tensorcodec.chunk_ranges(len(b), rec._chunk_bytes)) for b in own.values())
+                first = rec._allocate_gsns(most)
+                with rec._writer.transaction() as txn:
+                    emit = self._emitter(rec, txn, version, job.step, first)
+                    chunk_digests, report.encoded_bytes, _ = rec._encode(
+                        dataclasses.replace(job, staged=own), spec_of, set(), emit)
+                counts, emitted, report.last_gsn = emit.shard_counts, emit.gsn - first, emit.gsn - 1
+            digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name]) for s in specs}
+            report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
+            report.counts = {s: counts[s] for s in self.owned}
+            report.digests = distributed.shard_digests_of(specs, self.owned, digests)
+            report.small = {n: b for n, b in job.small.items() if rec._small.get(n) != b}
+            report.replicas = {n: digests[n] if n in digests else distributed.bits_digest(
+                n, job.layout[n], job.staged[n], rec._chunk_bytes) for n in job.replicated}
+            report.raw_bytes = sum(len(b) for b in own.values())
+        except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
+            failure = exc
+            report = distributed.PartReport(error=f"{type(exc).__name__}: {exc}")
+        reports = [distributed.PartReport.unpack(b, r) for r, b in enumerate(g.all_gather(report.pack()))]
+        distributed.check_parts(reports, version, failure)
+        small = dict(rec._small)
+        for rep in reports:
+            small.update(rep.small)
+        global_specs = tuple(sorted((TensorSpec(n, d, s, h) for rep in reports for n, d, s, h in rep.specs),
+                                    key=lambda s: s.name))
+        outcome, sealed = "", None
+        if g.rank == 0:
+            try:
+                sealed = self._seal(job, base, version, reports, global_specs, small)
+            except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
+                failure, outcome = exc, f"{type(exc).__name__}: {exc}"
+        outcome = g.broadcast(outcome.encode()).decode()
+        if failure is not None:
+            raise failure
+        if outcome:
+            raise RewindError(f"version {version} was not sealed: rank 0 failed to seal it ({outcome})")
+        self.global_specs, self.skip = global_specs, 0
+        last = max(report.last_gsn, rec._last_gsn, sealed or 0)
+        rec._advance(job, specs, chunk_digests, small, version, last)
+        return PartCommitted(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
+                             report.encoded_bytes, time.perf_counter() - t0, _encoding(g.world))
+
+    def _seal(self, job: _Job, base: int, version: int, reports: list[distributed.PartReport],
+              specs: tuple[TensorSpec, ...], small: dict[str, bytes]) -> int:
+        """Rank 0: the version's control events and its global seal, in one transaction,
+        after every rank's part is durable; returns the seal's gsn."""
+        rec = self._rec
+        control: list[Body] = []
+        if specs != self.global_specs:
+            control.append(RunStarted(
+                rec._shards, specs, tuple(sorted(small)), config_digest(specs, list(small)),
+                torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
+                self._rewind_version, SCHEMA_VERSION, rec._chunk_bytes))
+        for name, state in sorted(small.items()):
+            if rec._small.get(name) != state:
+                control.append(self._kinds.get(name.rpartition("/")[2], CustomState)(name, state))
+        if job.metrics:
+            control.append(Metrics(job.metrics))
+        counts, digests = [0] * rec._shards, [b""] * rec._shards
+        for rep in reports:
+            for shard, n in rep.counts.items():
+                counts[shard] = n
+            for shard, d in rep.digests.items():
+                digests[shard] = d
+        small_dig = small_digest(small)
+        control.append(CommitSealed(
+            base, tuple(counts), len(control), tuple(digests), small_dig, state_digest(digests, small_dig),
+            _encoding(len(reports)), sum(r.raw_bytes for r in reports),
+            sum(r.encoded_bytes for r in reports)))
+        rec._claim_version(base, version)
+        try:
+            first = rec._allocate_gsns(len(control))
+            with rec._writer.transaction() as txn:
+                emit = self._emitter(rec, txn, version, job.step, first)
+                for event in control:
+                    emit(CONTROL, event)
+        except BaseException:
+            with contextlib.suppress(RewindError):
+                rec._coord.compare_and_set_version(rec.run_id, version, base)
+            raise
+        return emit.gsn - 1
+
+    # ------------------------------------------------------------------ restore
+    def restore(self) -> tuple[RebuiltState, ReplayReport] | None:
+        """Load this rank's part of the newest sealed version (``None``: nothing sealed yet);
+        every rank learns which version numbers a crashed commit's unsealed parts took, so
+        none is reused."""
+        rec, g = self._rec, self.group
+        state, report = None, None
+        with contextlib.suppress(RunNotFoundError):
+            state, report = self._rebuild()
+        sealed = 0 if state is None else state.version
+        part = state is not None and len(state.shards) < state.layout.shard_count
+        # Each rank reads the ends of its own partitions; the maximum over ranks covers all.
+        tail_version, tail_gsn = distributed.unsealed_tail(rec._log, self.owned, sealed)
+        mine = msgpack.packb([sealed, tail_version, tail_gsn, part])
+        seen = [msgpack.unpackb(b) for b in g.all_gather(mine)]
+        if any(v != sealed for v, _, _, _ in seen):
+            raise RewindError(f"the ranks restored different versions ({[v for v, _, _, _ in seen]}): the "
+                              "log changed while they read it; restore again once no rank commits")
+        if any(p != part for _, _, _, p in seen):
+            raise RewindError(f"the ranks disagree on whether version {sealed} is restored rank by rank "
+                              f"({[p for _, _, _, p in seen]}); restore again")
+        newest = max(max(v for _, v, _, _ in seen), sealed)
+        floor = max(t for _, _, t, _ in seen)
+        if state is not None:
+            replicated = self._share_replicated(state) if part else {}
+            distributed.load_rank(rec._objects, state, g.rank, g.world, replicated)
+            self.global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
+            if distributed.recorded_world(state) == g.world:
+                mine = set(self.owned)
+                rec._specs = tuple(s for s in state.layout.tensors if s.shard in mine)
+                rec._prev = {n: t.bits.copy() for s in state.shards if s.shard in mine
+                             for n, t in s.tensors.items()}
+            else:
+                # Resharded: the shards this rank now owns held other ranks' tensors, so its
+                # first commit writes every tensor in full (the new layout drops the old names).
+                rec._specs, rec._prev = (), {}
+            rec._chunk_bytes = state.layout.chunk_bytes
+            rec._small = dict(state.small.states)
+            floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
+        rec._prev_chunks = {}
+        rec._version, self.skip = sealed, newest - sealed
+        rec._last_gsn = max(rec._last_gsn, floor)
+        if g.rank == 0:
+            rec._coord.reset_version(rec.run_id, sealed)
+            rec._coord.raise_gsn_floor(rec.run_id, rec._last_gsn)
+        g.barrier()  # no rank commits before rank 0 set the coordinator
+        if state is None or report is None:
+            return None
+        return state, report
+
+    def _rebuild(self) -> tuple[RebuiltState, ReplayReport]:
+        """The newest sealed version: this rank's shards of it when it was recorded at this
+        world size, else all of it (or what the recorder's own restore hook rebuilds)."""
+        if self._restorer is not None:
+            return self._restorer(self._rec._log)
+        return replay(self._rec.address, LATEST, workers=2, shards=self._shards_to_fold)
+
+    def _shards_to_fold(self, layout: RunStarted, small: SmallStates) -> Collection[int]:
+        """This rank's own shards if the version was recorded at this world size (its shards
+        then hold exactly what this rank wrote), else every shard."""
+        if assemble.recorded_world(small.states, {s.name for s in layout.tensors}) == self.group.world:
+            return self.owned
+        return range(layout.shard_count)
+
+    def _share_replicated(self, state: RebuiltState) -> dict[str, TensorBits]:
+        """Rank 0's replicated tensors (folded from its shards, checked against the seal) on
+        every rank, in one broadcast of msgpack bytes."""
+        data = b""
+        if self.group.rank == 0:
+            data = msgpack.packb([[n, t.dtype, list(t.shape), t.bits.tobytes()]
+                                  for s in state.shards for n, t in s.tensors.items()
+                                  if assemble.rank_of(n) is None], use_bin_type=True)
+        got = self.group.broadcast(data)
+        if self.group.rank == 0:
+            return {}
+        try:
+            return {str(n): TensorBits(str(d), tuple(int(x) for x in shape), np.frombuffer(b, dtype=np.uint8))
+                    for n, d, shape, b in msgpack.unpackb(got, raw=False)}
+        except (ValueError, TypeError, msgpack.UnpackException) as exc:
+            raise DecodeError(f"rank 0's replicated tensors of version {state.version} cannot be "
+                              f"decoded: {exc}") from exc
+
+
+def _encoding(world: int) -> str:
+    return f"xor-delta/blosc2-zstd (multi-rank, {world} ranks)"
