@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import math
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
@@ -21,9 +24,13 @@ import torch
 
 from eventlog import optimstep, tensorcodec
 from eventlog.events import OptimizerStep, TensorDelta, TensorSpec
+from eventlog.fold.deferred import TILE_ALIGN
 from eventlog.optimstep import CapturedStep, tensor_view
 
 STATE_PREFIX = "optimizer/state"
+#: Elements per param that ``predict`` runs each step on first (copies), to find a step
+#: that torch refuses before the log or the previous bits see any of it.
+_PROBE_ELEMENTS = 64
 
 
 @dataclass(frozen=True)
@@ -68,59 +75,164 @@ def state_prefix(index: int) -> str:
     return f"{STATE_PREFIX}/{index}"
 
 
+@dataclass(frozen=True)
+class _Tile:
+    """Elements ``[start, stop)`` of param ``index``'s tensor, fed by gradient chunks
+    ``chunks`` (``whole``: the whole tensor, in its shape)."""
+
+    index: int  # optimizer param index
+    start: int
+    stop: int
+    chunks: tuple[int, ...]
+    whole: bool
+    nbytes: int
+
+
 @dataclass
 class Prediction:
     """A version's predictive part: per shard, each step's gradients then its ``OptimizerStep``,
-    all before the shard's residuals. The gradient chunks are encoded as ``events`` yields
-    them, so that a version's gradients are never all held encoded at once."""
+    all before the shard's residuals.
 
-    grads: list[dict[int, np.ndarray]]  # per step: optimizer param index -> its bits (copied)
-    step_bodies: dict[int, list[OptimizerStep]]  # per shard: one per step
+    Nothing is computed up front. ``events`` reads each gradient chunk once from the
+    trainer's gradient into a chunk-sized buffer, logs that copy, and runs the step on the
+    matching tile of the previous bits (``prev``, in place) with the same copy: the bits
+    logged and the bits predicted with are the same, and no whole copy of the gradients
+    is ever held. Once ``events`` is done, ``prev`` holds the prediction."""
+
     plan: StepPlan
+    captured: list[CapturedStep]  # released once ``events`` has read them
     spec_of: Mapping[str, TensorSpec]
-    predicted: set[str]  # tensors whose previous bits now hold the prediction
-    steps: int
+    prev: Mapping[str, np.ndarray]
+    shards: list[int]
+    predicted: set[str]  # tensors whose previous bits hold the prediction after ``events``
+    steps: int  # optimizer steps
     #: Bytes of gradient payloads ``events`` yielded so far.
     grad_bytes: int = 0
+    #: Seconds the pool's threads spent on ``events``' work (copies, steps, encodes, digests).
+    busy: float = 0.0
 
     def event_count(self, chunk_bytes: int) -> int:
         """How many events ``events`` yields."""
-        chunks = sum(len(tensorcodec.chunk_ranges(len(bits), chunk_bytes))
-                     for grads in self.grads for bits in grads.values())
-        return chunks + sum(len(b) for b in self.step_bodies.values())
+        chunks = sum(len(tensorcodec.chunk_ranges(len(tensorcodec.tensor_bits(g)), chunk_bytes))
+                     for step in self.captured for g in step.grads.values())
+        return chunks + len(self.shards) * self.steps
 
     def events(self, pool: Executor, chunk_bytes: int, compression: str,
                window: int) -> Iterator[tuple[int, TensorDelta | OptimizerStep]]:
-        """``(shard, body)`` of every gradient chunk and step, in log order; gradient chunks
-        are encoded on ``pool``, at most ``window`` of them ahead of the caller
-        (``compression``: ``Settings.grad_compression``)."""
-        # In log order: (shard, the step's body) or (shard, the spec of a gradient chunk).
-        order: list[tuple[int, OptimizerStep | TensorSpec]] = []
-        calls: list[Callable[[], tensorcodec.EncodedChunk | None]] = []
-        for shard in sorted(self.step_bodies):
-            for k, grads in enumerate(self.grads):
-                for i, bits in grads.items():
-                    spec = self.spec_of[self.plan.params[i]]
-                    if spec.shard != shard:
-                        continue
-                    ranges = tensorcodec.chunk_ranges(len(bits), chunk_bytes)
-                    for j, (off, n) in enumerate(ranges):
-                        order.append((shard, spec))
-                        calls.append(functools.partial(
-                            tensorcodec.encode_chunk, bits[off:off + n], None,
-                            typesize=tensorcodec.itemsize(spec.dtype), base_version=-1, index=j,
-                            count=len(ranges), offset=off, compression=compression))
-                order.append((shard, self.step_bodies[shard][k]))
-        encoded = tensorcodec.map_ordered(pool, calls, window)
-        for shard, item in order:
-            if isinstance(item, OptimizerStep):
-                yield shard, item
-                continue
-            chunk = next(encoded)
-            assert chunk is not None  # a chunk without a base is always written
-            self.grad_bytes += len(chunk.payload)
-            chunk = dataclasses.replace(chunk, encoding=TensorDelta.GRAD)
-            yield shard, chunk.to_delta(item.name, item.dtype, tuple(item.shape))
+        """``(shard, body)`` of every gradient chunk and step, in log order, running each
+        step on ``prev`` as its gradient chunks are encoded: on ``pool``, at most ``window``
+        units of work ahead of the caller (``compression``: ``Settings.grad_compression``)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        owned = optimstep.states_by_owner(self.spec_of)
+        try:
+            for shard in self.shards:
+                for k, step in enumerate(self.captured):
+                    members = [i for i in sorted(step.grads)
+                               if self.spec_of[self.plan.params[i]].shard == shard]
+                    states = {i: owned.get(state_prefix(i), {}) for i in members}
+                    bits = {i: tensorcodec.tensor_bits(step.grads[i]) for i in members}
+                    tiles = [t for i in members for t in self._tiles(i, len(bits[i]), states[i], chunk_bytes)]
+                    counters: dict[str, torch.Tensor] = {}
+                    units = _units(tiles, chunk_bytes)
+                    calls = [functools.partial(self._run_unit, unit, step, bits, states, chunk_bytes,
+                                               compression) for unit in units]
+                    for unit, (chunks, finals, seconds) in zip(
+                            units, tensorcodec.map_ordered(pool, calls, window), strict=True):
+                        self.busy += seconds
+                        counters.update(finals)
+                        for tile, tile_chunks in zip(unit, chunks, strict=True):
+                            spec = self.spec_of[self.plan.params[tile.index]]
+                            for chunk in tile_chunks:
+                                self.grad_bytes += len(chunk.payload)
+                                yield shard, chunk.to_delta(spec.name, spec.dtype, tuple(spec.shape))
+                    for name, value in counters.items():  # every tile counted the same steps
+                        self._view(name).copy_(value)
+                    yield shard, self._step_body(k, step, members, states, pool, device)
+        finally:
+            self.captured = []  # the trainer's gradients are no longer read: they may be freed
+
+    def _tiles(self, index: int, nbytes: int, states: Mapping[str, str], chunk_bytes: int) -> list[_Tile]:
+        """Param ``index``'s tiles: one per gradient chunk, or the whole tensor when a state
+        is neither per element nor a single value, or chunks are off ``TILE_ALIGN`` (as the
+        replayer's tiles, ``eventlog.fold.deferred``: a step on a tile computes the bits the
+        whole step computes there)."""
+        spec = self.spec_of[self.plan.params[index]]
+        numel = math.prod(spec.shape)
+        size = tensorcodec.itemsize(spec.dtype)
+        ranges = tensorcodec.chunk_ranges(nbytes, chunk_bytes)
+        per_element = all(math.prod(self.spec_of[n].shape) in (numel, 1) for n in states.values())
+        if not per_element or numel == 0 or any(off % TILE_ALIGN for off, _ in ranges):
+            return [_Tile(index, 0, numel, tuple(range(len(ranges))), True, nbytes)]
+        return [_Tile(index, off // size, (off + n) // size, (j,), False, n)
+                for j, (off, n) in enumerate(ranges)]
+
+    def _view(self, name: str) -> torch.Tensor:
+        spec = self.spec_of[name]
+        return tensor_view(self.prev[name], spec.dtype, tuple(spec.shape))
+
+    def _run_unit(
+        self, unit: list[_Tile], step: CapturedStep, bits: Mapping[int, np.ndarray],
+        states: Mapping[int, Mapping[str, str]], chunk_bytes: int, compression: str,
+    ) -> tuple[list[list[tensorcodec.EncodedChunk]], dict[str, torch.Tensor], float]:
+        """Copy the unit's gradient tiles once, encode their chunks, and run the step on the
+        unit's tiles of ``prev`` with those copies; returns each tile's encoded chunks, the
+        single-value states (Adam's ``step``) as the step left them, and the seconds taken."""
+        t0 = time.perf_counter()
+        total = sum(t.nbytes for t in unit)
+        scratch = _scratch(total) if total <= chunk_bytes else np.empty(total, np.uint8)
+        out: list[list[tensorcodec.EncodedChunk]] = []
+        params, grads, tile_states, groups = [], [], [], []
+        finals: dict[str, torch.Tensor] = {}
+        at = 0
+        for tile in unit:
+            spec = self.spec_of[self.plan.params[tile.index]]
+            size = tensorcodec.itemsize(spec.dtype)
+            copy = scratch[at:at + tile.nbytes]
+            at += tile.nbytes
+            lo = tile.start * size
+            copy[:] = bits[tile.index][lo:lo + tile.nbytes]  # the one read of the trainer's bits
+            ranges = tensorcodec.chunk_ranges(len(bits[tile.index]), chunk_bytes)
+            chunks = []
+            for j in tile.chunks:
+                off, n = ranges[j]
+                chunk = tensorcodec.encode_chunk(
+                    copy[off - lo:off - lo + n], None, typesize=size, base_version=-1, index=j,
+                    count=len(ranges), offset=off, compression=compression)
+                assert chunk is not None  # a chunk without a base is always written
+                chunks.append(dataclasses.replace(chunk, encoding=TensorDelta.GRAD))
+            out.append(chunks)
+            shape = tuple(spec.shape) if tile.whole else (tile.stop - tile.start,)
+            params.append(self._tile_of(spec.name, tile))
+            grads.append(tensor_view(copy, spec.dtype, shape))
+            mine: dict[str, torch.Tensor] = {}
+            for key, name in states[tile.index].items():
+                if not tile.whole and math.prod(self.spec_of[name].shape) == 1:
+                    # Each tile counts the step on its own copy; the state takes the count.
+                    mine[key] = finals[name] = self._view(name).clone()
+                else:
+                    mine[key] = self._tile_of(name, tile)
+            tile_states.append(mine)
+            groups.append(step.groups[tile.index])
+        optimstep.run_step(self.plan.optimizer, step.hyperparams, params, grads, tile_states, groups)
+        return out, finals, time.perf_counter() - t0
+
+    def _tile_of(self, name: str, tile: _Tile) -> torch.Tensor:
+        view = self._view(name)
+        return view if tile.whole else view.reshape(-1)[tile.start:tile.stop]
+
+    def _step_body(self, k: int, step: CapturedStep, members: list[int],
+                   states: Mapping[int, Mapping[str, str]], pool: Executor, device: str) -> OptimizerStep:
+        """Step ``k``'s ``OptimizerStep`` for one shard, with the digests of what it predicted."""
+        t0 = time.perf_counter()
+        names = [self.plan.params[i] for i in members]
+        written = [n for i in members for n in (self.plan.params[i], *sorted(states[i].values()))]
+        digests = tuple(pool.map(tensorcodec.digest, [self.prev[n] for n in written]))
+        self.busy += time.perf_counter() - t0
+        return OptimizerStep(
+            self.plan.optimizer, k, self.steps, torch.__version__, device,
+            optimstep.pack_hyperparams(step.hyperparams), tuple(names),
+            tuple(step.groups[i] for i in members), tuple(state_prefix(i) for i in members),
+            tuple(written), digests)
 
 
 def check(
@@ -170,68 +282,55 @@ def predict(
     steps: Sequence[CapturedStep],
     spec_of: Mapping[str, TensorSpec],
     prev: Mapping[str, np.ndarray],
-    pool: Executor,
-    buffers: dict[tuple[int, int], np.ndarray] | None = None,
 ) -> Prediction:
-    """Copy the steps' gradients and run the steps on ``prev`` in place (the prediction).
-
-    Gradients are copied once, off the training thread, into ``buffers`` (reused across
-    versions; they must stay untouched until the prediction's ``events`` are written); the
-    logged bits and the bits the prediction uses are the same copy, so recorder and
-    replayer compute the same thing.
-    """
-    buffers = {} if buffers is None else buffers
-    grads: list[dict[int, np.ndarray]] = []
-    for k, step in enumerate(steps):
-        frozen = {}
-        for i, g in step.grads.items():
-            bits = tensorcodec.tensor_bits(g)
-            buf = buffers.get((k, i))
-            if buf is None or buf.shape != bits.shape:
-                # Kept for the next version: fresh pages would fault in on every version.
-                buf = buffers[(k, i)] = torch.empty(len(bits), dtype=torch.uint8).numpy()
-            torch.from_numpy(buf).copy_(torch.from_numpy(bits))
-            frozen[i] = buf
-        grads.append(frozen)
-    shards = sorted({spec_of[plan.params[i]].shard for step in steps for i in step.grads})
-    runs = {s: pool.submit(_predict_shard, plan, steps, grads, spec_of, prev, s) for s in shards}
-    step_bodies = {s: fut.result() for s, fut in runs.items()}
-    predicted = {n for bs in step_bodies.values() for b in bs for n in b.predicted}
-    return Prediction(grads, step_bodies, plan, spec_of, predicted, len(steps))
-
-
-def _predict_shard(
-    plan: StepPlan,
-    steps: Sequence[CapturedStep],
-    grads: Sequence[Mapping[int, np.ndarray]],
-    spec_of: Mapping[str, TensorSpec],
-    prev: Mapping[str, np.ndarray],
-    shard: int,
-) -> list[OptimizerStep]:
-    """Run one shard's share of every step on ``prev``; one ``OptimizerStep`` per step."""
-    out = []
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    """The version's predictive part (``Prediction``: its ``events`` run the steps on
+    ``prev``). Each step first runs on copies of a few elements of every param and state,
+    so that a step torch refuses fails here, before anything is logged or ``prev`` changes."""
     owned = optimstep.states_by_owner(spec_of)
-    for k, step in enumerate(steps):
-        names, groups, prefixes, params, gviews, states = [], [], [], [], [], []
-        written: list[str] = []
+    for step in steps:
+        params, grads, states, groups = [], [], [], []
         for i in sorted(step.grads):
             spec = spec_of[plan.params[i]]
-            if spec.shard != shard:
-                continue
-            names.append(spec.name)
-            groups.append(step.groups[i])
-            prefixes.append(state_prefix(i))
-            params.append(tensor_view(prev[spec.name], spec.dtype, tuple(spec.shape)))
-            gviews.append(tensor_view(grads[k][i], spec.dtype, tuple(spec.shape)))
-            st = owned.get(state_prefix(i), {})
-            states.append({key: tensor_view(prev[n], spec_of[n].dtype, tuple(spec_of[n].shape))
-                           for key, n in st.items()})
-            written += [spec.name, *sorted(st.values())]
-        optimstep.run_step(plan.optimizer, step.hyperparams, params, gviews, states, groups)
-        out.append(OptimizerStep(
-            plan.optimizer, k, len(steps), torch.__version__, device,
-            optimstep.pack_hyperparams(step.hyperparams), tuple(names), tuple(groups),
-            tuple(prefixes), tuple(written), tuple(tensorcodec.digest(prev[n]) for n in written)))
-    return out
+            numel = math.prod(spec.shape)
+            mine = owned.get(state_prefix(i), {})
+            whole = not all(math.prod(spec_of[n].shape) in (numel, 1) for n in mine.values())
 
+            def probe(t: torch.Tensor, numel: int = numel, whole: bool = whole) -> torch.Tensor:
+                return (t if whole or t.numel() != numel else t.reshape(-1)[:_PROBE_ELEMENTS]).clone()
+
+            params.append(probe(tensor_view(prev[spec.name], spec.dtype, tuple(spec.shape))))
+            grads.append(probe(step.grads[i].detach()))
+            states.append({key: probe(tensor_view(prev[n], spec_of[n].dtype, tuple(spec_of[n].shape)))
+                           for key, n in mine.items()})
+            groups.append(step.groups[i])
+        optimstep.run_step(plan.optimizer, step.hyperparams, params, grads, states, groups)
+    shards = sorted({spec_of[plan.params[i]].shard for step in steps for i in step.grads})
+    predicted = {n for step in steps for i in step.grads
+                 for n in (plan.params[i], *owned.get(state_prefix(i), {}).values())}
+    return Prediction(plan, list(steps), spec_of, prev, shards, predicted, len(steps))
+
+
+def _units(tiles: list[_Tile], unit_bytes: int) -> list[list[_Tile]]:
+    """Consecutive tiles gathered into units of at most ``unit_bytes`` of gradient (a bigger
+    tile is a unit of its own): small params do not pay one optimizer call each."""
+    units: list[list[_Tile]] = []
+    size = 0
+    for tile in tiles:
+        if not units or size + tile.nbytes > unit_bytes:
+            units.append([])
+            size = 0
+        units[-1].append(tile)
+        size += tile.nbytes
+    return units
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This codec thread's gradient tile buffer, ``nbytes`` long (reused: one chunk-sized
+    buffer per thread instead of a copy of every gradient)."""
+    buf: np.ndarray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < nbytes:
+        buf = _local.buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+    return buf[:nbytes]

@@ -14,6 +14,8 @@ xxh3-128 of the bits it produces, checked on decode: a damaged payload is never 
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -100,6 +102,26 @@ def tensor_bits(t: torch.Tensor) -> np.ndarray:
         t = t.reshape(1)
     # Viewing as uint8 keeps dtypes numpy lacks (bfloat16) bit-exact.
     return t.view(torch.uint8).numpy().reshape(-1) if t.numel() else np.empty(0, np.uint8)
+
+
+#: Host buffers at least this large are memory maps of their own (``host_buffer``).
+_MAP_AT_LEAST = 1 << 20
+
+
+def host_buffer(nbytes: int) -> np.ndarray:
+    """A writable uint8 buffer of ``nbytes`` for a copy of tensor bits kept across commits
+    (the recorder's staging and base copies). A large one is an anonymous memory map of its
+    own rather than malloc heap: the trainer's gradients, freed and allocated again every
+    step, then never sit below it in the heap, where freed memory cannot go back to the
+    kernel; and dropping it returns its memory at once. It asks for transparent huge pages
+    where the kernel offers them (first-touch faults per 2 MiB rather than per 4 KiB)."""
+    if nbytes < _MAP_AT_LEAST:
+        return np.empty(nbytes, dtype=np.uint8)
+    region = mmap.mmap(-1, nbytes)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            region.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(region, dtype=np.uint8)
 
 
 def bits_to_tensor(bits: np.ndarray, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

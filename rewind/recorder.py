@@ -269,7 +269,6 @@ class Recorder:
         self._specs: tuple[TensorSpec, ...] = ()
         self._small: dict[str, bytes] = {}
         self._layout: RunStarted | None = None  # the base version's (a snapshot records it)
-        self._grad_buffers: dict[tuple[int, int], np.ndarray] = {}  # reused across versions
         # Staging buffer sets freed by a commit (the base it replaced), newest last: reused
         # newest first, so a trainer that waits for each commit only ever has two sets (this
         # base and one staging); a new set is made only when every freed one is in flight.
@@ -329,9 +328,8 @@ class Recorder:
                 bits = tensorcodec.tensor_bits(t)
                 buf = staged.get(name)
                 if buf is None or buf.shape != bits.shape:
-                    # torch's allocator backs large buffers with huge pages: first-touch page
-                    # faults of a fresh numpy buffer cost more than the copy itself.
-                    buf = staged[name] = torch.empty(len(bits), dtype=torch.uint8).numpy()
+                    # Out of the malloc heap, where the trainer's gradients come and go.
+                    buf = staged[name] = tensorcodec.host_buffer(len(bits))
                 # torch's copy runs on its intra-op threads (numpy's copy on one core).
                 torch.from_numpy(buf).copy_(torch.from_numpy(bits))
             # The copy is done: the log's deferred maintenance (e.g. a WAL checkpoint) may now
@@ -493,7 +491,7 @@ class Recorder:
         spec_of = {s.name: s for s in specs}
         t_encode = time.perf_counter()
         prediction, why_not = self._predict(job, spec_of, relayout)
-        job.steps = []  # the gradients are copied: the trainer's may be freed
+        job.steps = []  # a prediction holds the gradients until it has logged them; then they may be freed
         encode_seconds = time.perf_counter() - t_encode
 
         control: list[Body] = []
@@ -529,6 +527,7 @@ class Recorder:
                     for shard, body in prediction.events(self._pool, self._chunk_bytes,
                                                          self._settings.grad_compression, self._window):
                         emit(shard, body)
+                    encode_seconds += prediction.busy / self._settings.resolved_codec_threads()
                 chunk_digests, residual, seconds = self._encode(
                     job, spec_of, prediction.predicted if prediction else set(), emit)
                 encode_seconds += seconds
@@ -630,11 +629,9 @@ class Recorder:
             return None, why_not
         assert isinstance(self._plan, predictive_codec.StepPlan)
         try:
-            return predictive_codec.predict(self._plan, job.steps, spec_of, self._prev, self._pool,
-                                            self._grad_buffers), None
+            return predictive_codec.predict(self._plan, job.steps, spec_of, self._prev), None
         except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
-            # It may have run part way on the previous bits: no delta against them, FULL.
-            self._prev, self._prev_chunks = {}, {}
+            # Refused on copies: the previous bits are untouched, and deltas against them stand.
             return None, f"the {self._plan.optimizer} step could not be replayed ({exc})"
 
     def _claim_version(self, base: int, version: int) -> None:

@@ -1,6 +1,6 @@
-"""The recorder's host memory stays near the design's floor: one staging copy, one base copy,
-and (predictive codec) the gradients of the step being committed; snapshots are written from
-the base copy, never from another copy of the state.
+"""The recorder's host memory stays near the design's floor: one staging copy and one base copy
+(the predictive codec reads the trainer's own gradients, a chunk at a time); snapshots are
+written from the base copy, never from another copy of the state.
 
 Each case records 20 versions of a 25M-parameter MLP with Adam (a 302 MB state), with a
 snapshot every 5 versions, in a fresh process and reads that process's peak resident memory

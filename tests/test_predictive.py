@@ -300,7 +300,7 @@ def test_optimizer_step_events_are_typed_and_validated() -> None:
         ShardState(0).apply(env, {2}, 10, "shard 0 offset 7")
 
 
-def test_a_step_that_cannot_be_replayed_while_recording_falls_back_to_full_bits(
+def test_a_step_that_cannot_be_replayed_while_recording_falls_back_to_deltas(
     address: RunAddress, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from eventlog import optimstep
@@ -321,7 +321,8 @@ def test_a_step_that_cannot_be_replayed_while_recording_falls_back_to_full_bits(
     live.rec.close()
     assert failed.encoding == ("xor-delta/blosc2-zstd (not predictive: the Adam step could not be "
                                "replayed (torch refused the step))")
-    assert failed.encoded_bytes > 0.5 * failed.raw_bytes  # whole bits, not a delta on damaged ones
+    # The refused step ran on copies: the version is a delta against the previous bits, which
+    # replays exactly below only if the step wrote none of them.
     assert after.encoding.startswith("predictive/") and after.residual_bytes == 0
     live.assert_every_version_replays_exactly(address)
 
