@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from eventlog import RunAddress
+from eventlog.target import LATEST
 from replayer.bisect import bisect
-from replayer.replay import LATEST, replay
+from replayer.replay import replay
 from rewind import Snapshots, every_versions, keep_all
 from rewind.recorder import Recorder
 

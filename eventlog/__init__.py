@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from eventlog.backends import RunAddress, list_runs, open_coordinator, open_log
     from eventlog.capture import Stateful
     from eventlog.crypto import AuthenticationError, Keyring
-    from eventlog.fold.engine import Target
+    from eventlog.target import Target
 else:
     from eventlog.lazy import lazy_exports
 
@@ -38,7 +38,7 @@ else:
         "eventlog.backends": ("RunAddress", "list_runs", "open_coordinator", "open_log"),
         "eventlog.capture": ("Stateful",),
         "eventlog.crypto": ("AuthenticationError", "Keyring"),
-        "eventlog.fold.engine": ("Target",),
+        "eventlog.target": ("Target",),
     })
     del lazy_exports
 

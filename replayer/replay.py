@@ -26,11 +26,10 @@ from eventlog.events import RunStarted
 from eventlog.fold.engine import FoldStart, RebuiltState, SmallStates, index_control, rebuild
 from eventlog.ports import EventLog
 from eventlog.settings import Settings, current
+from eventlog.target import LATEST
 from snapshotter.catalog import newest_valid, run_store
 
 _log = logging.getLogger(__name__)
-#: The default target: the newest sealed version.
-LATEST = Target()
 
 
 @dataclass(frozen=True)

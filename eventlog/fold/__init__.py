@@ -7,6 +7,7 @@ exactly-once apply rule, ``deferred`` batches predictive optimizer steps tile by
 ``sharing`` is the work board that replay workers share.
 """
 
-from eventlog.fold.engine import ControlIndex, FoldStart, RebuiltState, Target, index_control, rebuild
+from eventlog.fold.engine import ControlIndex, FoldStart, RebuiltState, index_control, rebuild
+from eventlog.target import Target
 
 __all__ = ["ControlIndex", "FoldStart", "RebuiltState", "Target", "index_control", "rebuild"]

@@ -31,33 +31,9 @@ from eventlog.fold.apply import APPLIED, ApplyCounts, ShardState, classify, veri
 from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.ports import CONTROL, EventLog, MessageStream
 from eventlog.settings import current
+from eventlog.target import LATEST, Target
 
 _log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Target:
-    """Where to replay to: ``latest``, or a ``version``, ``step``, ``gsn`` or control ``offset``."""
-
-    kind: str = "latest"
-    value: int | None = None
-
-    KINDS = ("latest", "version", "step", "gsn", "offset")
-
-    @classmethod
-    def parse(cls, text: str) -> Target:
-        """Parse ``latest``, ``version=V``, ``step=N``, ``gsn=G`` or ``offset=P``."""
-        if text == "latest":
-            return cls()
-        kind, _, raw = text.partition("=")
-        if kind not in cls.KINDS[1:] or not raw.strip().lstrip("-").isdigit():
-            raise TargetNotFoundError(
-                f"bad replay target {text!r}: use latest, version=V, step=N, gsn=G or offset=P"
-            )
-        return cls(kind, int(raw))
-
-    def __str__(self) -> str:
-        return self.kind if self.value is None else f"{self.kind}={self.value}"
 
 
 @dataclass(frozen=True)
@@ -396,7 +372,7 @@ class FoldStart:
 
 def rebuild(
     log: EventLog,
-    target: Target = Target(),
+    target: Target = LATEST,
     *,
     workers: int = 2,
     on_bytes: Callable[[int], None] | None = None,

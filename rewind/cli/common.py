@@ -39,9 +39,8 @@ AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object (sha
 
 
 def target_of(text: str) -> Target:
-    """The replay target a ``--to`` or ``--from`` value names (``Target.parse``); imported here,
-    when a command runs, because the fold engine imports torch."""
-    from eventlog import Target
+    """The replay target a ``--to`` or ``--from`` value names (``Target.parse``)."""
+    from eventlog.target import Target
 
     return Target.parse(text)
 
