@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.table import Table
 
 from . import multirank, sizes
+from .fmt import fmt
 from .model import parse_size
 from .scenarios import RECOVERY_LIMIT, SCENARIOS, Config, run_all
 
@@ -67,22 +68,6 @@ def evaluate(results: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _f(v: Any, unit: str = "", digits: int = 3) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        if unit == "ms":
-            return f"{v * 1e3:.1f} ms"
-        if unit == "s":
-            return f"{v:.3f} s" if v < 10 else f"{v:.1f} s"
-        if unit == "MB/s":
-            return f"{v:.0f} MB/s"
-        if unit == "x":
-            return f"{v:.{digits}f}x"
-        return f"{v:.{digits}f}"
-    return str(v)
-
-
 def table(results: dict[str, Any]) -> Table:
     t = Table(title="Rewind benchmarks (medians)", show_lines=False)
     for col in ("scenario", "figure", "Rewind", "baseline", "ratio", "target", "result"):
@@ -109,110 +94,111 @@ def table(results: dict[str, Any]) -> Table:
 
     if not skipped("commit_blocking_s"):
         r = results["commit_blocking_s"]
-        t.add_row("commit_blocking_s", "commit() vs torch.save", _f(r["rewind"], "ms"),
-                  _f(r["torch_save"], "ms"), _f(r["ratio_vs_torch_save"], "x"),
+        t.add_row("commit_blocking_s", "commit() vs torch.save", fmt(r["rewind"], "ms"),
+                  fmt(r["torch_save"], "ms"), fmt(r["ratio_vs_torch_save"], "x"),
                   *verdict("commit_blocking_vs_torch_save"))
-        t.add_row("", "commit() vs memcpy", _f(r["rewind"], "ms"), _f(r["memcpy"], "ms"),
-                  _f(r["ratio_vs_memcpy"], "x", 2), *verdict("commit_blocking_vs_memcpy"))
+        t.add_row("", "commit() vs memcpy", fmt(r["rewind"], "ms"), fmt(r["memcpy"], "ms"),
+                  fmt(r["ratio_vs_memcpy"], "x", 2), *verdict("commit_blocking_vs_memcpy"))
         t.add_row("", "worst of first 3 commits (allocate)",
-                  _f(r["rewind_allocating_commits_max"], "ms"), _f(r["torch_save"], "ms"),
-                  _f(_div(r["rewind_allocating_commits_max"], r["torch_save"]), "x"), "", "")
+                  fmt(r["rewind_allocating_commits_max"], "ms"), fmt(r["torch_save"], "ms"),
+                  fmt(_div(r["rewind_allocating_commits_max"], r["torch_save"]), "x"), "", "")
     if not skipped("commit_throughput_mb_s"):
         r = results["commit_throughput_mb_s"]
-        t.add_row("commit_throughput_mb_s", "embedded vs save+fsync", _f(r["embedded"], "MB/s"),
-                  _f(r["torch_save_fsync"], "MB/s"), _f(r["ratio_embedded"], "x"),
+        t.add_row("commit_throughput_mb_s", "embedded vs save+fsync", fmt(r["embedded"], "MB/s"),
+                  fmt(r["torch_save_fsync"], "MB/s"), fmt(r["ratio_embedded"], "x"),
                   *verdict("throughput_embedded_vs_torch_save_fsync"))
         if r.get("kafka") is not None:
-            t.add_row("", "kafka vs save+fsync", _f(r["kafka"], "MB/s"),
-                      _f(r["torch_save_fsync"], "MB/s"), _f(r["ratio_kafka"], "x"), "", "")
-        t.add_row("", "median durable commit", _f(r["embedded_median_durable_s"], "s"), "", "",
+            t.add_row("", "kafka vs save+fsync", fmt(r["kafka"], "MB/s"),
+                      fmt(r["torch_save_fsync"], "MB/s"), fmt(r["ratio_kafka"], "x"), "", "")
+        t.add_row("", "median durable commit", fmt(r["embedded_median_durable_s"], "s"), "", "",
                   "", "")
     if not skipped("bytes_per_commit_ratio"):
         r = results["bytes_per_commit_ratio"]
         t.add_row("bytes_per_commit_ratio", f"fp32 after {r.get('fp32_after_steps')} steps",
-                  _f(r.get("fp32")), "1.000", _f(r.get("fp32")), *verdict("bytes_ratio_fp32"))
-        t.add_row("", f"bf16 after {r.get('bf16_after_steps')} steps", _f(r.get("bf16")),
-                  "1.000", _f(r.get("bf16")), "", "")
-        t.add_row("", "first (FULL) commit fp32", _f(r.get("fp32_full_commit")), "1.000", "", "", "")
+                  fmt(r.get("fp32")), "1.000", fmt(r.get("fp32")), *verdict("bytes_ratio_fp32"))
+        t.add_row("", f"bf16 after {r.get('bf16_after_steps')} steps", fmt(r.get("bf16")),
+                  "1.000", fmt(r.get("bf16")), "", "")
+        t.add_row("", "first (FULL) commit fp32", fmt(r.get("fp32_full_commit")), "1.000", "", "", "")
     if not skipped("recovery_s"):
         r = results["recovery_s"]
         tail = f"snap + {r['tail_versions']} versions"
-        t.add_row("recovery_s", f"{tail}, 1 worker", _f(r["workers_1"], "s"),
-                  _f(r["torch_load"], "s"), _f(_div(r["workers_1"], r["torch_load"]), "x", 2),
+        t.add_row("recovery_s", f"{tail}, 1 worker", fmt(r["workers_1"], "s"),
+                  fmt(r["torch_load"], "s"), fmt(_div(r["workers_1"], r["torch_load"]), "x", 2),
                   "", "")
-        t.add_row("", f"{tail}, 2 workers", _f(r["workers_2"], "s"), _f(r["torch_load"], "s"),
-                  _f(r["ratio_2_workers_vs_torch_load"], "x", 2),
+        t.add_row("", f"{tail}, 2 workers", fmt(r["workers_2"], "s"), fmt(r["torch_load"], "s"),
+                  fmt(r["ratio_2_workers_vs_torch_load"], "x", 2),
                   *verdict("recovery_2_workers_vs_torch_load"))
-        t.add_row("", "speedup 2 vs 1 workers", _f(r["speedup_2_vs_1"], "x", 2), "", "",
+        t.add_row("", "speedup 2 vs 1 workers", fmt(r["speedup_2_vs_1"], "x", 2), "", "",
                   *verdict("replay_speedup_2_vs_1"))
         if r.get("speedup_2_vs_1_torch_1_thread") is not None:
-            t.add_row("", f"{tail}, 1 worker, torch on 1 thread", _f(r["workers_1_torch_1_thread"], "s"),
-                      _f(r["torch_load"], "s"),
-                      _f(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
+            t.add_row("", f"{tail}, 1 worker, torch on 1 thread", fmt(r["workers_1_torch_1_thread"], "s"),
+                      fmt(r["torch_load"], "s"),
+                      fmt(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
                       "", "")
-            t.add_row("", "speedup 2 workers vs that", _f(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
+            t.add_row("", "speedup 2 workers vs that", fmt(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
                       "", "", "", "")
         if r.get("floor_2_workers") is not None:
             load = r["torch_load"]
 
             def against_load(label: str, seconds: float | None, note: str = "") -> None:
-                t.add_row("", label, _f(seconds, "s"), _f(load, "s"), _f(_div(seconds, load), "x", 2), "",
+                t.add_row("", label, fmt(seconds, "s"), fmt(load, "s"), fmt(_div(seconds, load), "x", 2), "",
                           note)
 
-            parts = " + ".join(_f(r[k], "s") for k in ("floor_read_2", "floor_steps_2", "floor_checks_2"))
+            parts = " + ".join(fmt(r[k], "s") for k in ("floor_read_2", "floor_steps_2", "floor_checks_2"))
             against_load("floor, 1 worker: read + steps + checks", r["floor_1_worker"])
             against_load("floor, 2 workers: read + steps + checks", r["floor_2_workers"], parts)
             against_load("floor, 2 workers, without the checks", r["floor_unchecked_2_workers"])
             t.add_row("", "floor speedup 2 vs 1 (a replay with no overhead)",
-                      _f(r["floor_speedup_2_vs_1"], "x", 2), "", "", "", "")
+                      fmt(r["floor_speedup_2_vs_1"], "x", 2), "", "", "", "")
             t.add_row("", "2 workers' time above the floor: replay / allowed",
-                      _f(r["overhead_2_workers_s"], "s"), _f(r["overhead_allowed_2_workers_s"], "s"), "", "",
+                      fmt(r["overhead_2_workers_s"], "s"), fmt(r["overhead_allowed_2_workers_s"], "s"),
+                      "", "",
                       f"allowed: {RECOVERY_LIMIT} x load - floor")
             ceiling = r["max_speedup_2_vs_1_within_recovery_target"]
             speedup_limit = next(limit for key, *_, limit, _text in TARGETS if key == "replay_speedup_2_vs_1")
             t.add_row("", f"most 2 vs 1 with 2 workers <= {RECOVERY_LIMIT} x load (estimate)",
-                      _f(ceiling, "x", 2), "", "", "",
+                      fmt(ceiling, "x", 2), "", "", "",
                       f"the floor misses {RECOVERY_LIMIT} x load" if ceiling is None
                       else "both targets at once" if ceiling >= speedup_limit else "not both targets at once")
         if r.get("bus_speedup_2_vs_1") is not None:
-            t.add_row("", "memory copy, 2 threads vs 1 (the bus)", _f(r["bus_speedup_2_vs_1"], "x", 2),
+            t.add_row("", "memory copy, 2 threads vs 1 (the bus)", fmt(r["bus_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")
         if r.get("adam_tiles_speedup_2_vs_1") is not None:
             t.add_row("", "tiled fused Adam alone, 2 threads vs 1",
-                      _f(r["adam_tiles_speedup_2_vs_1"], "x", 2),
+                      fmt(r["adam_tiles_speedup_2_vs_1"], "x", 2),
                       "", "", "", "")
         if r.get("snapshot_only_2_workers") is not None:
-            t.add_row("", "snapshot alone (no tail, read), 2 workers", _f(r["snapshot_only_2_workers"], "s"),
-                      _f(r["torch_load"], "s"), _f(r["ratio_snapshot_only_vs_torch_load"], "x", 2),
+            t.add_row("", "snapshot alone (no tail, read), 2 workers", fmt(r["snapshot_only_2_workers"], "s"),
+                      fmt(r["torch_load"], "s"), fmt(r["ratio_snapshot_only_vs_torch_load"], "x", 2),
                       "", "")
-            t.add_row("", "each tail version, 2 workers", _f(r["per_tail_version_2_workers"], "s"),
+            t.add_row("", "each tail version, 2 workers", fmt(r["per_tail_version_2_workers"], "s"),
                       "", "", "", f"tail within target: {r['max_tail_versions_within_target']}")
         if r.get("floor_ratio_vs_torch_load") is not None:
             floor = r["torch_load"] + r["tail_versions"] * r["optimizer_step_s"]
             t.add_row("", f"estimate: torch.load + {r['tail_versions']} x optimizer.step() "
-                      f"({_f(r['optimizer_step_s'], 's')})", _f(floor, "s"), _f(r["torch_load"], "s"),
-                      _f(r["floor_ratio_vs_torch_load"], "x", 2), "", "")
+                      f"({fmt(r['optimizer_step_s'], 's')})", fmt(floor, "s"), fmt(r["torch_load"], "s"),
+                      fmt(r["floor_ratio_vs_torch_load"], "x", 2), "", "")
     if not skipped("kafka_produce_mb_s"):
         r = results["kafka_produce_mb_s"]
         t.add_row("kafka_produce_mb_s", f"{r['record_bytes']} B records, acks=all",
-                  _f(r["rewind"], "MB/s"), _f(r.get("producer_performance"), "MB/s"),
-                  _f(r.get("ratio"), "x", 2), *verdict("kafka_vs_producer_performance"))
+                  fmt(r["rewind"], "MB/s"), fmt(r.get("producer_performance"), "MB/s"),
+                  fmt(r.get("ratio"), "x", 2), *verdict("kafka_vs_producer_performance"))
     if not skipped("codec_compare"):
         r = results["codec_compare"]
         what = f"{r['params'] / 1e6:.0f}M Adam, {r['steps']} steps"
         t.add_row("codec_compare", f"bytes/commit predictive vs XOR ({what})",
-                  _f(r["predictive_bytes_per_commit_ratio"]), _f(r["xor_bytes_per_commit_ratio"]),
-                  _f(_div(r["predictive_bytes_per_commit_ratio"], r["xor_bytes_per_commit_ratio"]), "x", 2),
+                  fmt(r["predictive_bytes_per_commit_ratio"]), fmt(r["xor_bytes_per_commit_ratio"]),
+                  fmt(_div(r["predictive_bytes_per_commit_ratio"], r["xor_bytes_per_commit_ratio"]), "x", 2),
                   *verdict("predictive_bytes_ratio"))
-        t.add_row("", "encode throughput predictive vs XOR", _f(r["predictive_encode_mb_s"], "MB/s"),
-                  _f(r["xor_encode_mb_s"], "MB/s"), _f(r["encode_speedup"], "x", 2),
+        t.add_row("", "encode throughput predictive vs XOR", fmt(r["predictive_encode_mb_s"], "MB/s"),
+                  fmt(r["xor_encode_mb_s"], "MB/s"), fmt(r["encode_speedup"], "x", 2),
                   *verdict("predictive_encode_speedup"))
-        t.add_row("", "decode throughput predictive vs XOR", _f(r["predictive_decode_mb_s"], "MB/s"),
-                  _f(r["xor_decode_mb_s"], "MB/s"), _f(r["decode_speedup"], "x", 2), "", "")
+        t.add_row("", "decode throughput predictive vs XOR", fmt(r["predictive_decode_mb_s"], "MB/s"),
+                  fmt(r["xor_decode_mb_s"], "MB/s"), fmt(r["decode_speedup"], "x", 2), "", "")
     if not skipped("follower_sync_s"):
         r = results["follower_sync_s"]
-        t.add_row("follower_sync_s", "one version / full sync", _f(r["incremental"], "s"),
-                  _f(r["full_sync"], "s"), "", "", "")
+        t.add_row("follower_sync_s", "one version / full sync", fmt(r["incremental"], "s"),
+                  fmt(r["full_sync"], "s"), "", "", "")
     return t
 
 

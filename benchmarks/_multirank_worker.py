@@ -42,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from benchmarks.model import shape_for
+from benchmarks.model import linear_stack, shape_for
 from eventlog.backends import RunAddress
 from rewind import Recorder
 from snapshotter.service import Snapshotter, SnapshotterConfig
@@ -73,12 +73,7 @@ class Trainer:
     def __init__(self, params: int, batch: int, rank: int, world: int) -> None:
         width, layers = shape_for(params)
         torch.manual_seed(0)  # the same initial weights on every rank, then sharded
-        mods: list[torch.nn.Module] = []
-        for i in range(layers):
-            mods.append(torch.nn.Linear(width, width))
-            if i + 1 < layers:
-                mods.append(torch.nn.Tanh())
-        self.model = torch.nn.Sequential(*mods)
+        self.model = linear_stack(width, layers)
         mesh = init_device_mesh("cpu", (world,))
         for mod in self.model:
             if isinstance(mod, torch.nn.Linear):

@@ -41,6 +41,17 @@ def shape_for(params: int) -> tuple[int, int]:
     return width, max(1, round(params / per_layer))
 
 
+def linear_stack(width: int, layers: int) -> torch.nn.Sequential:
+    """``layers`` Linear layers of ``width`` x ``width`` with Tanh between them, initialised
+    from torch's global RNG (the caller seeds it)."""
+    mods: list[torch.nn.Module] = []
+    for i in range(layers):
+        mods.append(torch.nn.Linear(width, width))
+        if i + 1 < layers:
+            mods.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*mods)
+
+
 @dataclass
 class Workload:
     """A model, Adam, a scheduler and a fixed data stream, trained step by step."""
@@ -65,12 +76,7 @@ class Workload:
         np.random.seed(seed)
         random.seed(seed)
         width, layers = shape_for(params)
-        mods: list[torch.nn.Module] = []
-        for i in range(layers):
-            mods.append(torch.nn.Linear(width, width))
-            if i + 1 < layers:
-                mods.append(torch.nn.Tanh())
-        model = torch.nn.Sequential(*mods).to(dtype)
+        model = linear_stack(width, layers).to(dtype)
         try:  # fused CPU Adam: the same update, about 3x faster than foreach on 2 cores
             opt: torch.optim.Optimizer = torch.optim.Adam(model.parameters(), lr=lr, fused=True)
         except (RuntimeError, TypeError):

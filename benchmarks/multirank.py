@@ -32,11 +32,11 @@ import torch
 from rich.table import Table
 
 from ._multirank_worker import WorkerConfig
+from .fmt import MB, fmt
 
 SCENARIO = "multirank"
 DEFAULT_SIZE = "25M"
 DEFAULT_RANKS = (2, 4)
-MB = 1e6
 
 #: (key, figure, comparison, limit, text): the issue's targets, judged per world size.
 TARGETS = [
@@ -211,22 +211,6 @@ def run(params: int, worlds: Sequence[int], *, warmup_steps: int, versions: int,
     return {"meta": meta, SCENARIO: figures, "targets": evaluate(ok)}
 
 
-def _f(v: Any, unit: str = "", digits: int = 2) -> str:
-    if v is None:
-        return "-"
-    if unit == "ms":
-        return f"{v * 1e3:.1f} ms"
-    if unit == "s":
-        return f"{v:.3f} s" if v < 10 else f"{v:.1f} s"
-    if unit == "MB":
-        return f"{v / MB:.1f} MB"
-    if unit == "MB/s":
-        return f"{v:.0f} MB/s"
-    if unit == "x":
-        return f"{v:.{digits}f}x"
-    return str(v)
-
-
 def notes(fig: dict[str, Any], cores: int) -> dict[str, str]:
     """Where this machine bounds a figure, per row key."""
     world = int(fig["world"])
@@ -266,28 +250,28 @@ def table(doc: dict[str, Any]) -> Table:
             continue
         n = notes(fig, cores)
         tail = fig["tail_versions"]
-        t.add_row(world, f"state: {fig['params'] / 1e6:.1f}M params + AdamW", _f(fig["state_bytes"], "MB"),
+        t.add_row(world, f"state: {fig['params'] / 1e6:.1f}M params + AdamW", fmt(fig["state_bytes"], "MB"),
                   "", "", "", "", "")
-        t.add_row("", "commit blocking / async_save blocking", _f(fig["blocking_s"], "ms"),
-                  _f(fig["dcp_async_blocking_s"], "ms"), _f(fig["blocking_vs_async_save"], "x"),
+        t.add_row("", "commit blocking / async_save blocking", fmt(fig["blocking_s"], "ms"),
+                  fmt(fig["dcp_async_blocking_s"], "ms"), fmt(fig["blocking_vs_async_save"], "x", 2),
                   *verdict(world, "blocking_vs_async_save"), n.get("blocking", ""))
-        t.add_row("", "durable commit / dcp.save", _f(fig["durable_s"], "s"), _f(fig["dcp_save_s"], "s"),
-                  _f(_ratio(fig["durable_s"], fig["dcp_save_s"]), "x"), "", "", n.get("durable", ""))
-        t.add_row("", "throughput, state MB/s: commits / save", _f(fig["throughput_mb_s"], "MB/s"),
-                  _f(fig["dcp_save_mb_s"], "MB/s"), "", "", "", "")
-        t.add_row("", "dcp.async_save total", "", _f(fig["dcp_async_total_s"], "s"), "", "", "",
+        t.add_row("", "durable commit / dcp.save", fmt(fig["durable_s"], "s"), fmt(fig["dcp_save_s"], "s"),
+                  fmt(_ratio(fig["durable_s"], fig["dcp_save_s"]), "x", 2), "", "", n.get("durable", ""))
+        t.add_row("", "throughput, state MB/s: commits / save", fmt(fig["throughput_mb_s"], "MB/s"),
+                  fmt(fig["dcp_save_mb_s"], "MB/s"), "", "", "", "")
+        t.add_row("", "dcp.async_save total", "", fmt(fig["dcp_async_total_s"], "s"), "", "", "",
                   n.get("dcp", ""))
-        t.add_row("", "bytes per commit / DCP checkpoint", _f(fig["bytes_per_commit"], "MB"),
-                  _f(fig["dcp_checkpoint_bytes"], "MB"), _f(fig["bytes_vs_dcp_checkpoint"], "x", 3),
+        t.add_row("", "bytes per commit / DCP checkpoint", fmt(fig["bytes_per_commit"], "MB"),
+                  fmt(fig["dcp_checkpoint_bytes"], "MB"), fmt(fig["bytes_vs_dcp_checkpoint"], "x", 3),
                   *verdict(world, "bytes_vs_dcp_checkpoint"), "XOR deltas (multi-rank codec)")
-        t.add_row("", f"restore, snapshot + {tail} / dcp.load", _f(fig["restore_tail_s"], "s"),
-                  _f(fig["dcp_load_s"], "s"), _f(fig["restore_tail_vs_dcp_load"], "x"), "", "",
+        t.add_row("", f"restore, snapshot + {tail} / dcp.load", fmt(fig["restore_tail_s"], "s"),
+                  fmt(fig["dcp_load_s"], "s"), fmt(fig["restore_tail_vs_dcp_load"], "x", 2), "", "",
                   n.get("restore", ""))
-        t.add_row("", "restore, snapshot alone / dcp.load", _f(fig["restore_snapshot_s"], "s"),
-                  _f(fig["dcp_load_s"], "s"), _f(fig["snapshot_restore_vs_dcp_load"], "x"),
+        t.add_row("", "restore, snapshot alone / dcp.load", fmt(fig["restore_snapshot_s"], "s"),
+                  fmt(fig["dcp_load_s"], "s"), fmt(fig["snapshot_restore_vs_dcp_load"], "x", 2),
                   *verdict(world, "snapshot_restore_vs_dcp_load"), n.get("restore", ""))
-        t.add_row("", f"the {tail}-version tail / {tail} bare steps", _f(fig["tail_s"], "s"),
-                  _f(fig["bare_steps_s"], "s"), _f(fig["tail_vs_bare_steps"], "x"),
+        t.add_row("", f"the {tail}-version tail / {tail} bare steps", fmt(fig["tail_s"], "s"),
+                  fmt(fig["bare_steps_s"], "s"), fmt(fig["tail_vs_bare_steps"], "x", 2),
                   *verdict(world, "tail_vs_bare_steps"), n.get("steps", "tail: the two restores' difference"))
     return t
 

@@ -17,15 +17,19 @@ and writes its final state's bits to ``<out>/rank<r>.msgpack``. ``cfg``: ``log``
 ``full`` (rank 0 also writes the gathered full model and optimizer tensors right after the
 restore, ``full-restored.msgpack``, and at the end, ``full-final.msgpack``), and faults.
 After each restore rank 0 writes ``round<k>.json``: the step restored, the records no seal
-names, and the sealed versions; and every rank ``restore<k>-rank<r>.json``: the version it
-restored, the version of the snapshot it started from and the events it applied.
+names (``orphans``, their count per version) and the sealed versions; and every rank
+``restore<k>-rank<r>.json``: the version it restored, the version of the snapshot it started
+from and the events it applied.
 
 Faults (test-only, by monkeypatching here, never in the product), ``kills``: one per round:
 ``step:R:N``: rank R SIGKILLs itself right after training step N (before committing it);
-``emit:R:K:N``: inside rank R's K-th log transaction of the round, before its N-th event;
+``after:R:N``: right after the round's N-th training step (before committing it);
+``emit:R:K:N``: inside rank R's K-th log transaction of the round, before its N-th event
+(or its first event after that point, when that transaction has fewer events);
 ``part:R:K``: once rank R's part of its K-th commit of the round is durable, before the
 agreement (so rank 0 never seals that version);
 ``perturb=R:N``: rank R nudges one replicated weight after step N (DDP replica drift).
+``random_kills`` draws a list of kills from a seeded RNG, for a job of as many rounds.
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def install_faults(kill: str, rank: int) -> None:
             init(self, *a, **kw)
 
         def counted_call(self: Any, *a: Any, **kw: Any) -> None:
-            if self._fault == [k, n]:
+            if self._fault >= [k, n]:  # lexicographic: transaction k's event n, or the next one
                 _kill()
             self._fault[1] += 1
             call(self, *a, **kw)
@@ -127,6 +131,35 @@ def install_faults(kill: str, rank: int) -> None:
             return pack(self)
 
         rdist.PartReport.pack = counted_pack  # type: ignore[method-assign]
+
+
+#: The most commits a random kill lets a round make before it fires.
+KILL_WITHIN = 3
+
+
+def random_kills(count: int, world: int, seed: int) -> list[str]:
+    """``count`` kills (one per round, see the module docstring) drawn from ``random.Random(seed)``,
+    each on a random rank at a random point of a round's first ``KILL_WITHIN`` commits: at
+    least 2 in 5 (rounded up) inside a commit (``emit`` or ``part``), the others of any kind.
+    Every kill fires in a job of more than ``count * (KILL_WITHIN + 1)`` steps (an ``emit``
+    past its transaction's last event fires in the next one). Prints the seed and the draw,
+    so a failing draw can be run again."""
+    rng = random.Random(seed)
+    must = set(rng.sample(range(count), -(-2 * count // 5)))
+    kills = []
+    for i in range(count):
+        rank, commit = rng.randrange(world), rng.randint(1, KILL_WITHIN)
+        kind = rng.choice(["emit", "part"] if i in must else ["after", "emit", "part"])
+        if kind == "after":
+            kills.append(f"after:{rank}:{commit}")
+        elif kind == "part":
+            kills.append(f"part:{rank}:{commit}")
+        else:
+            # Rank 0 writes two transactions per commit (its part, then the seal), the others one.
+            txn = 2 * commit - rng.randrange(2) if rank == 0 else commit
+            kills.append(f"emit:{rank}:{txn}:{rng.randrange(4)}")
+    print(f"multirank random kills: seed {seed}, {world} ranks: {kills}", flush=True)
+    return kills
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -163,17 +196,20 @@ def full_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> di
     return out
 
 
-def unsealed_records(address: RunAddress) -> tuple[int, list[int]]:
-    """Records on the tensor shards of versions newer than the newest sealed one, and the
-    sealed versions."""
+def unsealed_records(address: RunAddress) -> tuple[dict[int, int], list[int]]:
+    """How many records the tensor shards hold of each version newer than the newest sealed
+    one, and the sealed versions."""
     with address.open_log() as log:
         try:
             seals = sorted(index_control(log).seals)
         except rewind.RunNotFoundError:  # nothing sealed yet (a crash in the first commit)
             seals = []
         sealed = max(seals, default=0)
-        orphans = sum(1 for shard in range(log.shard_count() or 0)
-                      for _, _, env in events(log, shard) if env.version > sealed)
+        orphans: dict[int, int] = {}
+        for shard in range(log.shard_count() or 0):
+            for _, _, env in events(log, shard):
+                if env.version > sealed:
+                    orphans[env.version] = orphans.get(env.version, 0) + 1
         return orphans, seals
 
 
@@ -235,7 +271,7 @@ def train(cfg: dict[str, Any]) -> None:
             loss.backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             scheduler.step()
-            if kill == f"step:{rank}:{step}":
+            if kill in (f"step:{rank}:{step}", f"after:{rank}:{step - (restored.step or 0)}"):
                 _kill()
             if cfg["perturb"] == f"{rank}:{step}":
                 with torch.no_grad():

@@ -10,12 +10,16 @@ launcher process (a module fixture) to keep the suite short:
 * a run recorded at 4 ranks restores at 2 (every full tensor bit-equal to the recorded full
   state) and continues, grows back to 4, then restores at 3 (which does not divide its 8
   shards); ``export`` and a ``Follower`` of it get full tensors; a 2-rank run restores into
-  a plain model."""
+  a plain model;
+* opt-in (``REWIND_MULTIRANK_MATRIX=<kills>``): FSDP2 jobs at 2 and 4 ranks, on each backend,
+  each killed on a random rank at ``<kills>`` random points drawn from a printed seed (2 in 5
+  inside a commit), restarted whole after each, end bit-equal to an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +39,7 @@ from replayer.export import export
 from replayer.follower import Follower
 from replayer.replay import replay
 from tests.conftest import KAFKA, REDIS, make_address
-from tests.multirank_trainer import IN, Sampler, tiny_model
+from tests.multirank_trainer import IN, KILL_WITHIN, Sampler, random_kills, tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +51,8 @@ CHAIN = ["step:1:2", "emit:0:3:2", "emit:0:4:0", "part:1:2"]
 # Rounds whose previous round's crash left a part no seal names, and why.
 LEAVES_PART = {3: "inside the global seal", 4: "after rank 1's part, before the seal"}
 KAFKA_KILL = ["part:1:3"]
+#: Kills per job of the random-kill matrix (opt-in: each kill is one more launch of the job).
+MATRIX = os.environ.get("REWIND_MULTIRANK_MATRIX", "")
 
 
 class Jobs:
@@ -67,23 +73,23 @@ class Jobs:
     def out(self, name: str) -> Path:
         return self.root / name
 
-    def run(self) -> None:
+    def run(self, timeout: float = 900) -> None:
         path = self.root / "jobs.json"
         path.write_text(json.dumps(self.specs))
         root = Path(__file__).resolve().parent.parent
         paths = (str(root), os.environ.get("PYTHONPATH"))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         done = subprocess.run([sys.executable, str(TRAINER), str(path)], env=env, capture_output=True,
-                              text=True, timeout=900, cwd=self.root)
+                              text=True, timeout=timeout, cwd=self.root)
         assert done.returncode == 0, done.stderr[-3000:]
         for r in json.loads(path.with_name("jobs.json.out").read_text()):
             self.outcome.setdefault(r["name"], []).append(r)
 
-    def ok(self, name: str) -> None:
+    def ok(self, name: str, why: str = "") -> None:
         """The job's last round ended well, and every round before it failed (its kill)."""
         *killed, last = self.outcome[name]
-        assert last["ok"], last["error"]
-        assert not any(r["ok"] for r in killed)
+        assert last["ok"], f"{why}\n{last['error']}"
+        assert not [r["round"] for r in killed if r["ok"]], f"{why}: rounds whose kill never fired"
 
     def ranks(self, name: str, world: int = 2) -> list[dict[str, Any]]:
         return [_read(self.out(name) / f"rank{r}.msgpack") for r in range(world)]
@@ -122,23 +128,29 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
     return j
 
 
-def _check_chain(jobs: Jobs, name: str, leaves_part: dict[int, str]) -> None:
-    jobs.ok(name)
-    assert jobs.ranks(name) == jobs.ranks("uninterrupted")
+def _check_chain(jobs: Jobs, name: str, leaves_part: dict[int, str], *, world: int = 2, steps: int = STEPS,
+                 why: str = "") -> None:
+    """The killed job ``name`` ended bit-equal, on every rank, to the job ``uninterrupted``; no
+    dead part's version number was sealed, and a replay skips every dead part's records."""
+    jobs.ok(name, why)
+    assert jobs.ranks(name, world) == jobs.ranks("uninterrupted", world), why
     rounds = jobs.rounds(name)
     address = jobs.addresses[name]
     with address.open_log() as log:
         seals = index_control(log).seals
-    assert len(seals) == STEPS
-    for k, why in leaves_part.items():
-        assert rounds[k]["orphans"] > 0, f"a crash {why} should leave a part no seal names"
-        # The dead part's version number is skipped, never sealed by a retry.
-        assert max(rounds[k]["sealed"]) + 1 not in seals, why
-    # Each round sees the parts the crash before it left (older ones lie below a newer seal);
-    # a replay skips every one of them.
+    assert len(seals) == steps, why
+    for k, crash in leaves_part.items():
+        assert rounds[k]["orphans"], f"a crash {crash} should leave a part no seal names"
+    # Each round sees the parts the crashes before it left (those below a newer seal it saw
+    # already): every dead part's version number is skipped, never sealed by a retry, and a
+    # replay skips each of its records.
+    orphans: dict[str, int] = {}
+    for r in rounds:
+        orphans.update(r["orphans"])
+    assert not {int(v) for v in orphans} & set(seals), why
     state, _ = replay(address, use_snapshots=False)
-    assert state.step == STEPS
-    assert state.counts.skipped_unsealed == sum(r["orphans"] for r in rounds)
+    assert state.step == steps, why
+    assert state.counts.skipped_unsealed == sum(orphans.values()), why
 
 
 def test_fsdp_killed_at_four_points_then_restarted_is_bit_equal(jobs: Jobs) -> None:
@@ -282,3 +294,36 @@ def test_two_rank_run_restores_into_a_plain_model(jobs: Jobs) -> None:
             assert torch.equal(v, want), (i, k)
     assert sampler.state_dict() == final0["sampler"]
     assert scheduler.state_dict()["last_epoch"] == final0["scheduler"]["last_epoch"]
+
+
+@pytest.mark.skipif(not MATRIX.isdigit() or int(MATRIX) < 1,
+                    reason="opt-in: REWIND_MULTIRANK_MATRIX=<kills> runs it (10 for the issue's matrix: "
+                           "11 launches of each job); REWIND_MULTIRANK_SEED=<seed> repeats a draw")
+@pytest.mark.parametrize("backend", ["embedded", "kafka"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_random_kill_matrix(world: int, backend: str, tmp_path: Path) -> None:
+    """FSDP2 + AdamW + a scheduler + a per-rank sampler, killed on a random rank at random
+    points (``random_kills``), restarted whole after each kill, restored and continued: every
+    rank's final parameters, optimizer state, scheduler, sampler and RNGs are bit-equal to an
+    uninterrupted run's."""
+    if backend == "kafka" and not (KAFKA and REDIS):
+        pytest.skip("kafka services not configured")
+    count = int(MATRIX)
+    seed = int(os.environ.get("REWIND_MULTIRANK_SEED") or random.SystemRandom().randrange(2**31))
+    kills = random_kills(count, world, seed)
+    steps = count * (KILL_WITHIN + 1) + 2  # every kill fires before the job ends
+    for name in ("u", "k"):
+        (tmp_path / name).mkdir()
+    jobs = Jobs(tmp_path)
+    for name, address, cfg in (
+            ("uninterrupted", make_address("embedded", tmp_path / "u", "u"), {}),
+            ("killed", make_address(backend, tmp_path / "k", "k" if backend == "embedded" else None),
+             {"kills": kills})):
+        jobs.add(name, address, nproc=world, steps=steps, snapshots=f"file://{tmp_path}/snaps-{name}",
+                 snapshot_every=4, **cfg)
+    jobs.run(timeout=300 + 120 * world * (count + 1))
+    rounds = [r["seconds"] for r in jobs.outcome["killed"]]
+    print(f"random kill matrix, {world} ranks, {backend}: seed {seed}, uninterrupted "
+          f"{jobs.outcome['uninterrupted'][0]['seconds']} s, rounds {rounds} s")
+    _check_chain(jobs, "killed", {}, world=world, steps=steps,
+                 why=f"REWIND_MULTIRANK_SEED={seed} ({world} ranks, {backend}): kills {kills}")
