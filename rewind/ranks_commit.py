@@ -114,27 +114,17 @@ class RankCommit:
                 raise StaleVersionError(job.base_version, base)
             own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
             layout = {n: job.layout[n] for n in own}
-            names = _Names(own, g.rank)
-            relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout
-            if relayout:
-                specs = distributed.assign_rank_shards(layout, self.owned, specs, names.owners(rec._plan))
+            if {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout:
+                specs = distributed.assign_rank_shards(layout, self.owned, specs)
             spec_of = {s.name: s for s in specs}
-            part = _predict(rec, job, names, spec_of, relayout, base)
-            job.steps = []  # the prediction holds the gradients until it has logged them
-            report.encoding = part.encoding(rec) if own else "no tensors"
             counts = [0] * rec._shards
             if own:
                 most = sum(len(tensorcodec.chunk_ranges(len(b), rec._chunk_bytes)) for b in own.values())
-                most += part.prediction.event_count(rec._chunk_bytes) if part.prediction else 0
                 first = rec._allocate_gsns(most)
                 with rec._writer.transaction() as txn:
                     emit = self._emitter(rec, txn, version, job.step, first)
-                    for shard, body in part.events(rec):  # each shard's steps before its residuals
-                        emit(shard, body)
-                    chunk_digests, residual, _ = rec._encode(
-                        dataclasses.replace(job, staged=own), spec_of, part.predicted, emit)
-                report.encoded_bytes = residual + (part.prediction.grad_bytes if part.prediction else 0)
-                report.residual_bytes = residual
+                    chunk_digests, report.encoded_bytes, _ = rec._encode(
+                        dataclasses.replace(job, staged=own), spec_of, set(), emit)
                 counts, emitted, report.last_gsn = emit.shard_counts, emit.gsn - first, emit.gsn - 1
             digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name]) for s in specs}
             report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
