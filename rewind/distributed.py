@@ -8,8 +8,9 @@ the ``S`` tensor shards, ``r*S//W .. (r+1)*S//W - 1`` (``owned_shards``; each pa
 one writer), and records:
 
 * the local shards of its DTensors as ``rank<r>/<path>`` (``<path>``: the tensor's place in
-  the state tree, e.g. ``model/fc.weight``);
-* replicated tensors (plain tensors of the model and optimizer, all-``Replicate()``
+  the state tree, e.g. ``model/fc.weight``), and so the plain tensors of an optimizer state
+  entry that holds a sharded one (AdamW's ``step``);
+* replicated tensors (the other plain tensors of the model and optimizer, all-``Replicate()``
   DTensors) under ``<path>``, on rank 0 only; the other ranks only hash theirs, and the
   hashes are compared at each commit (``check_parts``);
 * its small states as ``rank<r>/<name>``, and ``layout/rank<r>``: the world size, and each
@@ -23,6 +24,7 @@ together (``rank_trees``). ``rewind.ranks_commit`` runs the recorder's side of a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
-from eventlog import statecodec, tensorcodec
+from eventlog import optimstep, statecodec, tensorcodec
 from eventlog.capture import TENSOR_ROLES, Stateful, unflatten
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import DecodeError, RewindError, StateMismatchError
@@ -43,6 +45,7 @@ from eventlog.events import Envelope, TensorSpec
 from eventlog.fold.apply import TensorBits
 from eventlog.fold.engine import RebuiltState, events
 from eventlog.layout import assign_shards
+from eventlog.optimstep import CapturedStep
 from eventlog.ports import EventLog
 from eventlog.statecodec import TensorRef
 from replayer import assemble
@@ -141,10 +144,13 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
         if obj_name not in roles:
             out.small[prefix + obj_name] = statecodec.pack(tree)
             continue
+        beside = _beside_shards(tree) if obj_name == "optimizer" else set()
 
-        def leaf(t: torch.Tensor, path: str, replicable: bool = obj_name in TENSOR_ROLES) -> TensorRef:
+        def leaf(t: torch.Tensor, path: str, replicable: bool = obj_name in TENSOR_ROLES,
+                 beside: set[str] = beside) -> TensorRef:
             # ``replicable``: a plain tensor of the model or optimizer is a replica (a
-            # buffer's tensors are the rank's own).
+            # buffer's tensors are the rank's own, and so is an optimizer state beside a
+            # sharded one, such as AdamW's ``step``: a rank's part replays its step alone).
             if isinstance(t, DTensor):
                 placements = tuple(t.placements)
                 local = t.to_local()
@@ -159,7 +165,7 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
                     "placements": [_placement_name(p) for p in placements],
                 }
                 out.tensors[name] = local
-            elif replicable:
+            elif replicable and path not in beside:
                 out.tensors[path] = t
                 out.replicated.add(path)
                 name = path
@@ -170,6 +176,37 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
 
         out.small[prefix + obj_name] = statecodec.pack(_walk(tree, obj_name, leaf))
     out.small[f"{assemble.LAYOUT}{rank}"] = statecodec.pack({"world": world, "tensors": layout})
+    return out
+
+
+def _sharded(t: object) -> bool:
+    return isinstance(t, DTensor) and not all(isinstance(p, Replicate) for p in t.placements)
+
+
+def _beside_shards(tree: Any) -> set[str]:
+    """The paths (``optimizer/state/<i>/<key>``) of the plain tensors in an optimizer's state
+    entries that also hold a sharded DTensor."""
+    state = tree.get("state") if isinstance(tree, Mapping) else None
+    out: set[str] = set()
+    for i, entry in (state or {}).items():
+        if isinstance(entry, Mapping) and any(_sharded(v) for v in entry.values()):
+            out |= {f"optimizer/state/{i}/{k}" for k, v in entry.items()
+                    if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)}
+    return out
+
+
+def local_steps(steps: Sequence[CapturedStep]) -> list[CapturedStep]:
+    """``steps`` with each DTensor gradient as its local shard (what the rank's part logs). A
+    gradient changed in place since its step keeps version -1, which the codec refuses."""
+    out = []
+    for step in steps:
+        grads, versions = dict(step.grads), dict(step.versions)
+        for i, g in step.grads.items():
+            if isinstance(g, DTensor):
+                grads[i] = g.to_local().detach()
+                versions[i] = (optimstep.version_of(grads[i])
+                               if optimstep.version_of(g) == step.versions[i] else -1)
+        out.append(dataclasses.replace(step, grads=grads, versions=versions))
     return out
 
 
@@ -188,12 +225,13 @@ def _walk(node: Any, path: str, leaf: Any) -> Any:
 
 def assign_rank_shards(
     layout: Mapping[str, tuple[str, tuple[int, ...]]], owned: range, previous: Sequence[TensorSpec],
+    owners: Mapping[str, str] | None = None,
 ) -> tuple[TensorSpec, ...]:
     """``assign_shards`` over this rank's ``owned`` shards only (global shard indices)."""
     base = owned.start
     local_prev = [TensorSpec(s.name, s.dtype, tuple(s.shape), s.shard - base) for s in previous]
     return tuple(TensorSpec(s.name, s.dtype, s.shape, s.shard + base)
-                 for s in assign_shards(layout, len(owned), local_prev))
+                 for s in assign_shards(layout, len(owned), local_prev, owners))
 
 
 def bits_digest(name: str, spec: tuple[str, tuple[int, ...]], bits: np.ndarray, chunk_bytes: int) -> bytes:
@@ -219,13 +257,15 @@ class PartReport:
     raw_bytes: int = 0
     encoded_bytes: int = 0
     last_gsn: int = 0
+    #: How this rank's part is encoded (its codec, and why not predictive).
+    encoding: str = ""
 
     def pack(self) -> bytes:
         """msgpack bytes of the report."""
         packed: bytes = msgpack.packb([
             self.error, [list(s[:2]) + [list(s[2]), s[3]] for s in self.specs],
             list(self.counts.items()), list(self.digests.items()), self.small, self.replicas,
-            self.raw_bytes, self.encoded_bytes, self.last_gsn,
+            self.raw_bytes, self.encoded_bytes, self.last_gsn, self.encoding,
         ], use_bin_type=True)
         return packed
 
@@ -233,10 +273,11 @@ class PartReport:
     def unpack(cls, data: bytes, rank: int) -> PartReport:
         """The report of rank ``rank`` from its bytes."""
         try:
-            e, specs, counts, digests, small, replicas, raw, enc, last = msgpack.unpackb(data, raw=False)
+            e, specs, counts, digests, small, replicas, raw, enc, last, codec = msgpack.unpackb(
+                data, raw=False)
             return cls(str(e), [(str(n), str(d), tuple(int(x) for x in s), int(h)) for n, d, s, h in specs],
                        {int(k): int(v) for k, v in counts}, {int(k): bytes(v) for k, v in digests},
-                       dict(small), dict(replicas), int(raw), int(enc), int(last))
+                       dict(small), dict(replicas), int(raw), int(enc), int(last), str(codec))
         except (ValueError, TypeError, msgpack.UnpackException) as exc:
             raise DecodeError(f"rank {rank}'s part report cannot be decoded: {exc}") from exc
 

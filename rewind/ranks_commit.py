@@ -4,7 +4,13 @@ rank's part of each version, sealing it (rank 0), and restoring the rank's own p
 ``RankCommit`` keeps what only a multi-rank recorder has (its rank group, the shards this rank
 owns, the run's global layout, the version numbers an unsealed part took) and works on its
 recorder's commit state: the XOR base, the specs, the small states, the version and the gsn
-floor, which ``rewind.recorder`` hands over the way its single-process commit does. The
+floor, which ``rewind.recorder`` hands over the way its single-process commit does.
+
+A rank's part uses the predictive codec on the rank's own tensors under the single-process
+rules (Adam, AdamW and SGD are element-wise, so a local shard steps alone): the gradients'
+local shards and the steps' hyperparameters, then residuals; the names the codec's plan
+knows (``model/<path>``) map to the rank's log names (``rank<r>/model/<path>``). A rank that
+cannot predict writes XOR deltas, and the seal names each part's encoding. The
 agreement's messages, the per-rank capture and the loading of a part are
 ``rewind.distributed``'s; ``docs/multirank.md`` describes the protocol.
 
@@ -19,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import time
-from collections.abc import Callable, Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -28,10 +35,10 @@ import msgpack
 import numpy as np
 import torch
 
-from eventlog import tensorcodec
+from eventlog import predictive, tensorcodec
 from eventlog.digests import small_digest, state_digest, tensor_digest
 from eventlog.errors import ConfigError, DecodeError, RewindError, RunNotFoundError, StaleVersionError
-from eventlog.events import Body, CommitSealed, CustomState, Metrics, RunStarted, TensorSpec
+from eventlog.events import Body, CommitSealed, CustomState, Metrics, OptimizerStep, RunStarted, TensorSpec
 from eventlog.fold.apply import TensorBits
 from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.layout import config_digest
@@ -70,6 +77,7 @@ class PartCommitted:
     encoded_bytes: int
     seconds: float
     encoding: str
+    residual_bytes: int
 
 
 class RankCommit:
@@ -106,7 +114,7 @@ class RankCommit:
         t0 = time.perf_counter()
         base = rec._version
         version = base + 1 + self.skip
-        specs, emitted = rec._specs, 0
+        specs, emitted, residual = rec._specs, 0, 0
         chunk_digests: dict[str, list[bytes]] = {}
         report, failure = distributed.PartReport(), None
         try:
@@ -114,17 +122,26 @@ class RankCommit:
                 raise StaleVersionError(job.base_version, base)
             own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
             layout = {n: job.layout[n] for n in own}
-            if {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout:
-                specs = distributed.assign_rank_shards(layout, self.owned, specs)
+            names = _Names(own, g.rank)
+            relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout
+            if relayout:
+                specs = distributed.assign_rank_shards(layout, self.owned, specs, names.owners(rec._plan))
             spec_of = {s.name: s for s in specs}
+            part = _predict(rec, job, names, spec_of, relayout, base)
+            job.steps = []  # the prediction holds the gradients until it has logged them
+            report.encoding = part.encoding(rec) if own else "no tensors"
             counts = [0] * rec._shards
             if own:
                 most = sum(len(tensorcodec.chunk_ranges(len(b), rec._chunk_bytes)) for b in own.values())
+                most += part.prediction.event_count(rec._chunk_bytes) if part.prediction else 0
                 first = rec._allocate_gsns(most)
                 with rec._writer.transaction() as txn:
                     emit = self._emitter(rec, txn, version, job.step, first)
-                    chunk_digests, report.encoded_bytes, _ = rec._encode(
-                        dataclasses.replace(job, staged=own), spec_of, set(), emit)
+                    for shard, body in part.events(rec):  # each shard's steps before its residuals
+                        emit(shard, body)
+                    chunk_digests, residual, _ = rec._encode(
+                        dataclasses.replace(job, staged=own), spec_of, part.predicted, emit)
+                report.encoded_bytes = residual + (part.prediction.grad_bytes if part.prediction else 0)
                 counts, emitted, report.last_gsn = emit.shard_counts, emit.gsn - first, emit.gsn - 1
             digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name]) for s in specs}
             report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
@@ -159,7 +176,7 @@ class RankCommit:
         last = max(report.last_gsn, rec._last_gsn, sealed or 0)
         rec._advance(job, specs, chunk_digests, small, version, last)
         return PartCommitted(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
-                             report.encoded_bytes, time.perf_counter() - t0, _encoding(g.world))
+                             report.encoded_bytes, time.perf_counter() - t0, _encoding(reports), residual)
 
     def _seal(self, job: _Job, base: int, version: int, reports: list[distributed.PartReport],
               specs: tuple[TensorSpec, ...], small: dict[str, bytes]) -> int:
@@ -186,7 +203,7 @@ class RankCommit:
         small_dig = small_digest(small)
         control.append(CommitSealed(
             base, tuple(counts), len(control), tuple(digests), small_dig, state_digest(digests, small_dig),
-            _encoding(len(reports)), sum(r.raw_bytes for r in reports),
+            _encoding(reports), sum(r.raw_bytes for r in reports),
             sum(r.encoded_bytes for r in reports)))
         rec._claim_version(base, version)
         try:
@@ -241,6 +258,8 @@ class RankCommit:
             rec._small = dict(state.small.states)
             floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
         rec._prev_chunks = {}
+        if rec._steps is not None:
+            rec._steps.take()  # steps taken before the restore led to another state
         rec._version, self.skip = sealed, newest - sealed
         rec._last_gsn = max(rec._last_gsn, floor)
         if g.rank == 0:
@@ -284,5 +303,114 @@ class RankCommit:
                               f"decoded: {exc}") from exc
 
 
-def _encoding(world: int) -> str:
-    return f"xor-delta/blosc2-zstd (multi-rank, {world} ranks)"
+def _encoding(reports: Sequence[distributed.PartReport]) -> str:
+    """A multi-rank version's ``CommitSealed.encoding``: the codec family its parts share
+    (``mixed`` when they differ), then each rank's part's encoding."""
+    families = {re.split(r"[/ (]", r.encoding, maxsplit=1)[0] for r in reports if r.encoding != "no tensors"}
+    family = families.pop() if len(families) == 1 else "mixed" if families else "no tensors"
+    parts = "; ".join(f"rank {i}: {r.encoding}" for i, r in enumerate(reports))
+    return f"{family} (multi-rank, {len(reports)} ranks: {parts})"
+
+
+class _Names:
+    """A rank's own tensors under the names one process would give them (``rank<r>/`` taken
+    off), so that the predictive codec's plan, which names params by their place in the
+    model, finds them; ``log`` maps those names back to the log's."""
+
+    def __init__(self, own: Collection[str], rank: int) -> None:
+        prefix = assemble.rank_prefix(rank)
+        self.log = {n.removeprefix(prefix): n for n in own}
+        self.clash = len(self.log) != len(own)  # ``x`` and ``rank<r>/x`` both recorded
+
+    def owners(self, plan: predictive.StepPlan | str) -> dict[str, str]:
+        """Each of the rank's optimizer state tensors' param (log names): the layout keeps
+        them on one shard, so the shard replays its step alone."""
+        if isinstance(plan, str):
+            return {}
+        return {self.log[s]: self.log[p] for s, p in plan.owners(list(self.log)).items() if p in self.log}
+
+    def state_prefixes(self, plan: predictive.StepPlan) -> dict[str, str] | str:
+        """Each optimizer param's state prefix in the log (``rank<r>/optimizer/state/<i>`` for a
+        sharded param), or why a prefix cannot be named (its states are split between the
+        rank's own tensors and the replicated ones)."""
+        out: dict[str, str] = {}
+        for i, param in enumerate(plan.params):
+            plain, logged = predictive.state_prefix(i), self.log.get(param, param)
+            out[plain] = logged[:len(logged) - len(param)] + plain
+        for name, logged in self.log.items():
+            prefix = name.rpartition("/")[0]
+            if prefix in out and logged.rpartition("/")[0] != out[prefix]:
+                return f"the optimizer state {name} is not recorded beside its param"
+        return out
+
+
+@dataclass
+class _Part:
+    """How a rank's part of a version is encoded: a prediction on its own shards (names as
+    ``_Names`` gives them) or, with ``why_not``, XOR deltas."""
+
+    prediction: predictive.Prediction | None = None
+    why_not: str = ""
+    names: _Names | None = None
+    prefixes: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def predicted(self) -> set[str]:
+        """The log names of the tensors the prediction computes (their chunks are residuals)."""
+        if self.prediction is None or self.names is None:
+            return set()
+        return {self.names.log[n] for n in self.prediction.predicted}
+
+    def encoding(self, rec: Recorder) -> str:
+        """The part's codec, and why it is not predictive."""
+        if self.prediction is None:
+            return f"xor-delta/blosc2-zstd (not predictive: {self.why_not})"
+        return (f"predictive/{self.prediction.plan.optimizer} x{self.prediction.steps} "
+                f"+ gradients/{rec._settings.grad_compression} + residual/blosc2-zstd")
+
+    def events(self, rec: Recorder) -> Iterator[tuple[int, Body]]:
+        """The prediction's events, renamed to the log's names."""
+        if self.prediction is None or self.names is None:
+            return
+        log = self.names.log
+        for shard, body in self.prediction.events(rec._pool, rec._chunk_bytes, rec._settings.grad_compression,
+                                                  rec._window):
+            if isinstance(body, OptimizerStep):
+                body = dataclasses.replace(
+                    body, params=tuple(log[n] for n in body.params),
+                    states=tuple(self.prefixes[p] for p in body.states),
+                    predicted=tuple(log[n] for n in body.predicted))
+            else:
+                body = dataclasses.replace(body, name=log[body.name])
+            yield shard, body
+
+
+def _predict(rec: Recorder, job: _Job, names: _Names, spec_of: Mapping[str, TensorSpec], relayout: bool,
+             base: int) -> _Part:
+    """This rank's part of the version as a prediction, when the single-process rules allow
+    it (``predictive.check``) on its own tensors, else why not."""
+    plan = rec._plan
+    if isinstance(plan, str):
+        return _Part(why_not=plan)
+    if names.clash:
+        return _Part(why_not="a tensor is recorded both as the rank's own and as a replica")
+    prefixes = names.state_prefixes(plan)
+    if isinstance(prefixes, str):
+        return _Part(why_not=prefixes)
+    # A param none of whose elements are this rank's (6 rows over 4 ranks: 2, 2, 2, 0) has no
+    # gradient chunk to log: it stays out of the steps, and its states are XOR deltas.
+    steps = [dataclasses.replace(s, grads={i: g for i, g in s.grads.items() if g.numel()})
+             for s in distributed.local_steps(job.steps)]
+    if job.steps and not any(s.grads for s in steps):
+        return _Part(why_not="the rank holds no element of any param")
+    plain_specs = {n: dataclasses.replace(spec_of[logged], name=n) for n, logged in names.log.items()}
+    prev = {n: rec._prev[logged] for n, logged in names.log.items() if logged in rec._prev}
+    why = predictive.check(plan, steps, plain_specs, prev, relayout, base, rec._settings.predict_max_steps)
+    if why is not None:
+        return _Part(why_not=why)
+    try:
+        prediction = predictive.predict(plan, steps, plain_specs, prev)
+    except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
+        # Refused on copies: the previous bits are untouched, and deltas against them stand.
+        return _Part(why_not=f"the {plan.optimizer} step could not be replayed ({exc})")
+    return _Part(prediction, "", names, prefixes)

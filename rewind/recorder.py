@@ -234,10 +234,8 @@ class Recorder:
         self._restorer = restorer or restorer_of(self.address)
         self._snapshotter: CommittedSnapshots | SnapshotterThread | None = None
         self._group = None if group is None else distributed.RankGroup(group)
-        if self._group is not None:
-            predictive = False  # its step plan knows no DTensors yet: XOR deltas
-            if self._group.rank != 0:
-                self._snapshots = None  # one snapshotter per run: rank 0's
+        if self._group is not None and self._group.rank != 0:
+            self._snapshots = None  # one snapshotter per run: rank 0's
         # The predictive codec watches the optimizer's steps through a pre-hook.
         self._plan: predictive_codec.StepPlan | str = (
             predictive_codec.StepPlan.of(model, optimizer) if predictive else "the predictive codec is off"
