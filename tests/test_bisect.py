@@ -19,6 +19,9 @@ from replayer.bisect import bisect
 from rewind.cli import run
 from rewind.recorder import Recorder
 
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_bisect")
+
 STEPS, K, LR, NEW_LR, NUDGE = 12, 7, 0.01, 0.02, 0.25
 REWIND = shutil.which("rewind")
 

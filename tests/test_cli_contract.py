@@ -30,6 +30,9 @@ from snapshotter.policies import keep_all
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_cli_contract")
+
 REWIND = shutil.which("rewind")
 RUN = "contract"
 LONG_METRIC = "episode_return_mean_over_the_last_100_episodes"

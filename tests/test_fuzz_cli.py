@@ -51,6 +51,9 @@ from snapshotter.verify import FAIL, verify_run
 
 from .test_snapshotter import Trainer, _snapshotter
 
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_fuzz_cli")
+
 CASES = int(os.environ.get("REWIND_FUZZ_CLI_CASES", "300"))
 CASE_TIMEOUT_S = 30
 KINDS = ("database", "segment", "snapshot")

@@ -30,7 +30,8 @@ from eventlog.events import TensorDelta
 from rewind import every_versions
 from rewind.integrations.sb3 import RewindCallback
 
-pytestmark = pytest.mark.slow
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_integration_sb3")]
 
 PPO_TOTAL = 32 * 20  # timesteps: 20 rollouts of 32 steps
 SAC_TOTAL = 320

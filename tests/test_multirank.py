@@ -41,7 +41,8 @@ from replayer.replay import replay
 from tests.conftest import KAFKA, REDIS, make_address
 from tests.multirank_trainer import IN, KILL_WITHIN, Sampler, random_kills, tiny_model
 
-pytestmark = pytest.mark.slow
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_multirank")]
 
 TRAINER = Path(__file__).with_name("multirank_trainer.py")
 STEPS = 6

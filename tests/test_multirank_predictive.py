@@ -23,7 +23,8 @@ from eventlog.target import Target
 from replayer.replay import replay
 from tests.conftest import make_address
 
-pytestmark = pytest.mark.slow
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_multirank_predictive")]
 
 TRAINER = Path(__file__).with_name("multirank_trainer.py")
 STEPS = 5

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+# Its module-scoped fixture is built once: every test of the file on one xdist worker.
+pytestmark = pytest.mark.xdist_group("test_readme")
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 #: Appended to the trainer snippet: a digest of every bit the run's state is made of (model,
