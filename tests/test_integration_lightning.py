@@ -54,6 +54,11 @@ class Net(pl.LightningModule):
             f.write(json.dumps({"step": self.global_step, "epoch": self.current_epoch, "batch": batch_idx,
                                 "ids": ids.tolist(), "loss": loss.item().hex()}) + "\\n")
         if self.global_step == self.cfg["kill_at"]:
+            # Commits are asynchronous: what was durable when the kill lands is what a resume
+            # must not lose (under load, possibly nothing yet).
+            rec = next(c for c in self.trainer.callbacks if isinstance(c, RewindCallback)).recorder
+            with open(self.cfg["losses"] + ".acked", "w") as f:
+                f.write(str(rec.version))
             os.kill(os.getpid(), 9)
         return loss
     def configure_optimizers(self):
@@ -152,7 +157,9 @@ def _check_chain(cfgs: list[dict[str, object]], kills: list[int]) -> list[int]:
         assert [s["step"] for s in logged] == list(range(first, first + len(logged)))
         assert logged == [expected[s["step"]] for s in logged]
         if i:
-            assert 0 < first <= kills[i - 1], f"fit {i} resumed at step {first}, killed at {kills[i - 1]}"
+            acked = int(Path(str(chain[i - 1]["losses"]) + ".acked").read_text())
+            assert first <= kills[i - 1] and (first > 0 or acked == 0), \
+                f"fit {i} resumed at step {first}, killed at {kills[i - 1]} with version {acked} durable"
         if cfg["kill_at"] != -1:
             assert logged[-1]["step"] == cfg["kill_at"]
         firsts.append(first)
