@@ -11,9 +11,10 @@ launcher process (a module fixture) to keep the suite short:
   state) and continues, grows back to 4, then restores at 3 (which does not divide its 8
   shards); ``export`` and a ``Follower`` of it get full tensors; a 2-rank run restores into
   a plain model;
-* opt-in (``REWIND_MULTIRANK_MATRIX=<kills>``): FSDP2 jobs at 2 and 4 ranks, on each backend,
-  each killed on a random rank at ``<kills>`` random points drawn from a printed seed (2 in 5
-  inside a commit), restarted whole after each, end bit-equal to an uninterrupted run."""
+* the random-kill matrix: FSDP2 jobs at 2 and 4 ranks, on each backend, each killed on a
+  random rank at ``REWIND_MULTIRANK_MATRIX`` (default 10) random points drawn from a printed
+  seed (2 in 5 inside a commit), restarted whole after each, end bit-equal to an
+  uninterrupted run (``REWIND_MULTIRANK_MATRIX=0`` leaves it out)."""
 
 from __future__ import annotations
 
@@ -52,8 +53,8 @@ CHAIN = ["step:1:2", "emit:0:3:2", "emit:0:4:0", "part:1:2"]
 # Rounds whose previous round's crash left a part no seal names, and why.
 LEAVES_PART = {3: "inside the global seal", 4: "after rank 1's part, before the seal"}
 KAFKA_KILL = ["part:1:3"]
-#: Kills per job of the random-kill matrix (opt-in: each kill is one more launch of the job).
-MATRIX = os.environ.get("REWIND_MULTIRANK_MATRIX", "")
+#: Kills per job of the random-kill matrix (each kill is one more launch of the job).
+MATRIX = os.environ.get("REWIND_MULTIRANK_MATRIX", "10")
 
 
 class Jobs:
@@ -298,8 +299,7 @@ def test_two_rank_run_restores_into_a_plain_model(jobs: Jobs) -> None:
 
 
 @pytest.mark.skipif(not MATRIX.isdigit() or int(MATRIX) < 1,
-                    reason="opt-in: REWIND_MULTIRANK_MATRIX=<kills> runs it (10 for the issue's matrix: "
-                           "11 launches of each job); REWIND_MULTIRANK_SEED=<seed> repeats a draw")
+                    reason="REWIND_MULTIRANK_MATRIX=0: the random-kill matrix is left out")
 @pytest.mark.parametrize("backend", ["embedded", "kafka"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_random_kill_matrix(world: int, backend: str, tmp_path: Path) -> None:
