@@ -263,7 +263,7 @@ def table(doc: dict[str, Any]) -> Table:
                   n.get("dcp", ""))
         t.add_row("", "bytes per commit / DCP checkpoint", fmt(fig["bytes_per_commit"], "MB"),
                   fmt(fig["dcp_checkpoint_bytes"], "MB"), fmt(fig["bytes_vs_dcp_checkpoint"], "x", 3),
-                  *verdict(world, "bytes_vs_dcp_checkpoint"), "XOR deltas (multi-rank codec)")
+                  *verdict(world, "bytes_vs_dcp_checkpoint"), "predictive codec on each rank's shards")
         t.add_row("", f"restore, snapshot + {tail} / dcp.load", fmt(fig["restore_tail_s"], "s"),
                   fmt(fig["dcp_load_s"], "s"), fmt(fig["restore_tail_vs_dcp_load"], "x", 2), "", "",
                   n.get("restore", ""))
