@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Executor
@@ -24,7 +23,7 @@ import torch
 
 from eventlog import optimstep, tensorcodec
 from eventlog.events import OptimizerStep, TensorDelta, TensorSpec
-from eventlog.fold.deferred import TILE_ALIGN
+from eventlog.fold.deferred import TILE_ALIGN, Scratch, units_of
 from eventlog.optimstep import CapturedStep, tensor_view
 
 STATE_PREFIX = "optimizer/state"
@@ -133,7 +132,7 @@ class Prediction:
                     bits = {i: tensorcodec.tensor_bits(step.grads[i]) for i in members}
                     tiles = [t for i in members for t in self._tiles(i, len(bits[i]), states[i], chunk_bytes)]
                     counters: dict[str, torch.Tensor] = {}
-                    units = _units(tiles, chunk_bytes)
+                    units = units_of(tiles, chunk_bytes)
                     calls = [functools.partial(self._run_unit, unit, step, bits, states, chunk_bytes,
                                                compression) for unit in units]
                     for unit, (chunks, finals, seconds) in zip(
@@ -310,27 +309,6 @@ def predict(
     return Prediction(plan, list(steps), spec_of, prev, shards, predicted, len(steps))
 
 
-def _units(tiles: list[_Tile], unit_bytes: int) -> list[list[_Tile]]:
-    """Consecutive tiles gathered into units of at most ``unit_bytes`` of gradient (a bigger
-    tile is a unit of its own): small params do not pay one optimizer call each."""
-    units: list[list[_Tile]] = []
-    size = 0
-    for tile in tiles:
-        if not units or size + tile.nbytes > unit_bytes:
-            units.append([])
-            size = 0
-        units[-1].append(tile)
-        size += tile.nbytes
-    return units
-
-
-_local = threading.local()
-
-
-def _scratch(nbytes: int) -> np.ndarray:
-    """This codec thread's gradient tile buffer, ``nbytes`` long (reused: one chunk-sized
-    buffer per thread instead of a copy of every gradient)."""
-    buf: np.ndarray | None = getattr(_local, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.buf = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buf[:nbytes]
+#: This module's gradient tile buffers: one chunk-sized buffer per codec thread instead of
+#: a copy of every gradient.
+_scratch = Scratch()

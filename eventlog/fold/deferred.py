@@ -38,7 +38,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -222,7 +222,7 @@ class DeferredSteps:
         def work(unit: list[_Tile]) -> None:
             _run_unit(unit, steps, states, views, finals, check)
 
-        units = _units(tiles, unit_bytes)
+        units = units_of(tiles, unit_bytes)
         if self.board is not None:
             self.board.run(units, work)  # units are disjoint slices: any thread may run one
         else:
@@ -303,10 +303,18 @@ def _numel(t: TensorBits) -> int:
     return math.prod(t.shape)
 
 
-def _units(tiles: list[_Tile], unit_bytes: int) -> list[list[_Tile]]:
-    """Tiles gathered into units of at most ``unit_bytes`` of gradient (a bigger tile is a
-    unit of its own), so small params do not pay one optimizer call each."""
-    units: list[list[_Tile]] = []
+class _Sized(Protocol):
+    @property
+    def nbytes(self) -> int: ...
+
+
+_S = TypeVar("_S", bound=_Sized)
+
+
+def units_of(tiles: list[_S], unit_bytes: int) -> list[list[_S]]:
+    """Consecutive tiles gathered into units of at most ``unit_bytes`` of gradient (a bigger
+    tile is a unit of its own), so small params do not pay one optimizer call each."""
+    units: list[list[_S]] = []
     size = 0
     for tile in tiles:
         if not units or size + tile.nbytes > unit_bytes:
@@ -317,15 +325,22 @@ def _units(tiles: list[_Tile], unit_bytes: int) -> list[list[_Tile]]:
     return units
 
 
-_local = threading.local()
+class Scratch:
+    """A byte buffer per thread, grown as needed and reused (it stays in cache across
+    steps); ``scratch(n)`` is this thread's first ``n`` bytes. Each user has its own, so a
+    thread that holds one user's view never sees it overwritten by another's."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def __call__(self, nbytes: int) -> np.ndarray:
+        buf: np.ndarray | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < nbytes:
+            buf = self._local.buf = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return buf[:nbytes]
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """This thread's tile gradient buffer (reused: it stays in cache across steps)."""
-    buf: np.ndarray | None = getattr(_local, "buf", None)
-    if buf is None or len(buf) < nbytes:
-        buf = _local.buf = np.empty(max(nbytes, 1), dtype=np.uint8)
-    return buf[:nbytes]
+_scratch = Scratch()
 
 
 def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str, dict[str, str]]],
