@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -16,7 +17,16 @@ from confluent_kafka.admin import (  # type: ignore[attr-defined]  # not re-expo
 )
 
 from eventlog.errors import ConfigError, EventLogError
-from eventlog.kafka.calls import UNKNOWN, call, client, describe, failover, kafka_error
+from eventlog.kafka.calls import (
+    UNKNOWN,
+    call,
+    client,
+    describe,
+    failover,
+    kafka_error,
+    transient,
+    wrap,
+)
 from eventlog.kafka.config import (
     REQUEST_TIMEOUT_S,
     TOPIC_MAX_MESSAGE_BYTES,
@@ -205,6 +215,35 @@ class Watermarks:
             if self._consumer is None:
                 self._consumer = client(Consumer, self._conf, "consumer")
             return query_marks(self._consumer, topic, kp, within)
+
+    def wait_placed(self, partitions: list[tuple[str, int]], what: str) -> None:
+        """Wait (bounded) until each partition's leader answers an offset query, which it
+        does once it has created the partition's log.
+
+        A KRaft broker publishes a new topic's metadata before its leaders create the logs.
+        A produce request arriving in between is refused while the idempotent producer's next
+        batch to that partition may already be appended, at offset 0 (a producer new to a
+        partition may start at any sequence number): the transaction then lacks its first
+        records."""
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S * 2
+        with self._lock:
+            if self._consumer is None:
+                self._consumer = client(Consumer, self._conf, "consumer")
+            consumer = self._consumer
+            for topic, kp in partitions:
+                tp = TopicPartition(topic, kp)
+                while True:
+                    try:
+                        consumer.get_watermark_offsets(tp, timeout=REQUEST_TIMEOUT_S, cached=False)
+                        break
+                    except KafkaException as exc:
+                        err = kafka_error(exc)
+                        if not (transient(exc) or (err is not None and err.code() in UNKNOWN)) \
+                                or time.monotonic() > deadline:
+                            raise wrap(exc, f"{what}: waiting for the leader of {topic} [{kp}]") from exc
+                    time.sleep(0.05)
+                    with contextlib.suppress(KafkaException):
+                        consumer.list_topics(topic, timeout=REQUEST_TIMEOUT_S)
 
     def close(self) -> None:
         with self._lock:

@@ -81,6 +81,8 @@ class KafkaLog(EventLog):
                         f"run {self.run_id!r} exists with {have[topic]} partitions in {topic}, "
                         f"not {n}" + (" (shards)" if topic == self.tensors_topic else "")
                     )
+            # Also when another process created them a moment ago (rank 0 of a group).
+            self._offsets.wait_placed([(t, kp) for t, n in want.items() for kp in range(n)], what)
             self._shards, self._created = shards, True
 
     def _counts(self, what: str) -> dict[str, int | None]:

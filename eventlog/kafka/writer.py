@@ -43,6 +43,10 @@ VISIBLE_WAIT_S = 5.0
 QUEUE_FULL_S = 300.0
 
 
+class _Undelivered(Exception):
+    """Some record of the open transaction is not in the log: the transaction must abort."""
+
+
 class WriterTarget(Protocol):
     """What a writer needs of its log: the run, and where its partitions are."""
 
@@ -81,8 +85,9 @@ class KafkaWriter(LogWriter):
         self._delivery_error: str | None = None
         # Highest offset delivered per (topic, partition) in the open transaction.
         self._written: dict[tuple[str, int], int] = {}
-        # Records produced in the open transaction, and those the broker acknowledged.
-        self._produced = self._acked = 0
+        # Records produced in the open transaction, those with a delivery report, and those
+        # the broker placed in the log.
+        self._produced = self._acked = self._reported = 0
         self._in_txn = False
         conf = producer_config(target.settings, self.transactional_id, self._on_delivery, self._on_error)
         self._producer = client(Producer, conf, "producer")
@@ -95,15 +100,21 @@ class KafkaWriter(LogWriter):
 
     # Callbacks run on the thread that polls (append, commit): they only record.
     def _on_delivery(self, err: KafkaError | None, msg: Message) -> None:
+        self._reported += 1
         if err is not None:
-            if self._delivery_error is None:
-                self._delivery_error = (
-                    f"message to {msg.topic()} [{msg.partition()}] failed: {err.name()}: {err.str()}"
-                )
+            self._note_undelivered(msg, f"failed: {err.name()}: {err.str()}")
+            return
+        offset = message_offset(msg)
+        if offset < 0:  # "possibly persisted": librdkafka could not tell where, if anywhere
+            self._note_undelivered(msg, "acknowledged without a log offset")
             return
         key = (msg.topic() or "", msg.partition() or 0)
-        self._written[key] = max(self._written.get(key, -1), message_offset(msg))
+        self._written[key] = max(self._written.get(key, -1), offset)
         self._acked += 1
+
+    def _note_undelivered(self, msg: Message, how: str) -> None:
+        if self._delivery_error is None:
+            self._delivery_error = f"message to {msg.topic()} [{msg.partition()}] {how}"
 
     def _on_error(self, err: KafkaError) -> None:
         if err.fatal() or err.code() in FENCING:
@@ -154,7 +165,7 @@ class KafkaWriter(LogWriter):
         self._in_txn = True
         self._delivery_error = None
         self._written = {}
-        self._produced = self._acked = 0
+        self._produced = self._acked = self._reported = 0
         try:
             yield KafkaTransaction(self)
         except BaseException as exc:
@@ -164,7 +175,6 @@ class KafkaWriter(LogWriter):
             self._commit()
         finally:
             self._in_txn = False
-        self._check_acknowledged()
         self._await_visible()
 
     def produce(self, partition: int, value: bytes) -> None:
@@ -196,16 +206,19 @@ class KafkaWriter(LogWriter):
         self._producer.poll(0)  # serve delivery reports and logs as we go
 
     def _commit(self) -> None:
-        # commit_transaction flushes first; a timeout is retriable (call it again), an
-        # abortable error means some message failed: abort and report it. librdkafka itself
-        # re-sends to a new partition leader; a commit still waiting after an attempt is
-        # logged, so that a stalled cluster is visible, and retried until the broker would
-        # abort the transaction anyway.
+        # Every record must be in the log before the commit (see _check_delivered). A
+        # timeout is retriable (flush or commit again); an abortable error means some
+        # message failed: abort and report it. librdkafka itself re-sends to a new partition
+        # leader; a commit still waiting after an attempt is logged, so that a stalled
+        # cluster is visible, and retried until the broker would abort the transaction anyway.
         t0 = time.monotonic()
         deadline = t0 + TRANSACTION_TIMEOUT_MS / 1000
         try:
             while True:
                 try:
+                    if self._await_reports(COMMIT_ATTEMPT_S):
+                        self._check_delivered()
+                    # (A fatal error: the commit raises it.)
                     self._producer.commit_transaction(COMMIT_ATTEMPT_S)
                     return
                 except KafkaException as exc:
@@ -216,6 +229,9 @@ class KafkaWriter(LogWriter):
                         "leaders and at least min.insync.replicas in-sync replicas (brokers down?); "
                         "retrying for up to %.0f s", self._what, time.monotonic() - t0,
                         describe(kafka_error(exc), exc), TRANSACTION_TIMEOUT_MS / 1000)
+        except _Undelivered as exc:
+            self._abort(exc)
+            raise EventLogError(f"{self._what}: transaction aborted: {exc}") from None
         except KafkaException as exc:
             err = kafka_error(exc)
             if err is not None and err.txn_requires_abort():
@@ -224,19 +240,32 @@ class KafkaWriter(LogWriter):
                 raise EventLogError(f"{self._what}: transaction aborted: {cause}") from exc
             raise self._fail(exc, "committing a transaction") from exc
 
-    def _check_acknowledged(self) -> None:
-        """Log an error unless every record of the committed transaction was acknowledged:
-        the commit returns once the transaction is decided, and a record whose delivery
-        failed on its own would leave the version short in the log, found only at the next
-        replay. (Not raised: the version is committed, and the commit cannot be taken back.)"""
-        deadline = time.monotonic() + VISIBLE_WAIT_S
-        while self._acked < self._produced and self._delivery_error is None \
-                and time.monotonic() < deadline:
-            self._producer.poll(0.01)  # reports not yet served
+    def _await_reports(self, timeout: float) -> bool:
+        """Serve delivery reports until every record of the transaction has one: True, or
+        the producer died: False. A timeout raises a retriable ``KafkaException``.
+        (Not ``flush``: after a fatal error, confluent-kafka calls the delivery callbacks
+        with that error still pending, and they fail.)"""
+        end = time.monotonic() + timeout
+        while self._reported < self._produced:
+            if self._dead is not None:
+                return False
+            if time.monotonic() > end:
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT,
+                                                "records of the transaction not yet delivered"))
+            self._producer.poll(0.005)
+        return True
+
+    def _check_delivered(self) -> None:
+        """Raise ``_Undelivered`` unless the broker placed every record of the open
+        transaction in the log. The commit alone does not say so: an idempotent producer's
+        batch refused by a partition leader (one that had not yet created a new topic's log)
+        while the next batch was appended leaves the transaction without the first, and it
+        still commits."""
         if self._delivery_error is not None or self._acked < self._produced:
-            logger.error("%s: a transaction committed with %d of its %d records acknowledged (%s); "
-                         "the version it wrote may be incomplete: run `rewind verify`", self._what,
-                         self._acked, self._produced, self._delivery_error or "no delivery report")
+            raise _Undelivered(
+                f"{self._produced - self._acked} of its {self._produced} records were not "
+                f"placed in the log ({self._delivery_error or 'no delivery report'}); nothing "
+                "of it was committed")
 
     def _await_visible(self) -> None:
         """Wait until ``read_committed`` readers see this transaction (read-your-writes).
