@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from replayer.export import export
     from replayer.follower import Follower, FollowResult
     from replayer.replay import ReplayReport, replay, write_checkpoint
-    from rewind.recorder import CommitResult, Recorder, RestoreResult
+    from rewind.recorder import Recorder
+    from rewind.results import CommitResult, RestoreResult
     from rewind.snapshots import Snapshots
     from snapshotter.policies import (
         every_seconds,
@@ -56,7 +57,8 @@ else:
         "replayer.export": ("export",),
         "replayer.follower": ("Follower", "FollowResult"),
         "replayer.replay": ("ReplayReport", "replay", "write_checkpoint"),
-        "rewind.recorder": ("CommitResult", "Recorder", "RestoreResult"),
+        "rewind.recorder": ("Recorder",),
+        "rewind.results": ("CommitResult", "RestoreResult"),
         "rewind.snapshots": ("Snapshots",),
         "snapshotter.policies": (
             "every_seconds", "every_versions", "keep_all", "keep_best", "keep_every", "keep_last"),

@@ -47,6 +47,7 @@ from eventlog.target import LATEST
 from replayer import assemble
 from replayer.replay import ReplayReport, Restorer, replay
 from rewind import distributed
+from rewind.results import CommitResult
 from schemas import SCHEMA_VERSION
 
 if TYPE_CHECKING:
@@ -64,20 +65,6 @@ class Emitter(Protocol):
 
 #: ``(recorder, transaction, version, step, first gsn) -> Emitter``.
 EmitterFactory = Callable[["Recorder", LogTransaction, int, int, int], Emitter]
-
-
-@dataclass(frozen=True)
-class PartCommitted:
-    """A sealed multi-rank version as this rank saw it (the fields of ``CommitResult``)."""
-
-    version: int
-    step: int
-    events: int
-    raw_bytes: int
-    encoded_bytes: int
-    seconds: float
-    encoding: str
-    residual_bytes: int
 
 
 class RankCommit:
@@ -107,7 +94,7 @@ class RankCommit:
         self.skip = 0
 
     # ------------------------------------------------------------------ commit
-    def write(self, job: _Job) -> PartCommitted:
+    def write(self, job: _Job) -> CommitResult:
         """This rank's side of a version: its part in its own transaction, then the
         agreement; rank 0 seals the version once every part is durable."""
         rec, g = self._rec, self.group
@@ -175,7 +162,7 @@ class RankCommit:
         self.global_specs, self.skip = global_specs, 0
         last = max(report.last_gsn, rec._last_gsn, sealed or 0)
         rec._advance(job, specs, chunk_digests, small, version, last)
-        return PartCommitted(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
+        return CommitResult(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
                              report.encoded_bytes, time.perf_counter() - t0, _encoding(reports), residual)
 
     def _seal(self, job: _Job, base: int, version: int, reports: list[distributed.PartReport],

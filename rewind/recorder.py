@@ -67,6 +67,7 @@ from replayer.assemble import full_state
 from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
 from rewind import allocator, distributed, fingerprint, ranks_commit
+from rewind.results import CommitResult, RestoreResult
 from rewind.snapshots import Snapshots, with_store
 from schemas import SCHEMA_VERSION
 from snapshotter.policies import Trigger
@@ -77,60 +78,6 @@ T = TypeVar("T")
 _KINDS: dict[str, type[Any]] = {
     "scheduler": SchedulerStep, "sampler": SamplerCursor, "rng": RngAdvance,
 }
-
-
-@dataclass(frozen=True)
-class CommitResult:
-    """A version that is durable in the log."""
-
-    version: int
-    step: int
-    events: int
-    raw_bytes: int
-    encoded_bytes: int
-    seconds: float
-    #: The codec of the version, and why (``CommitSealed.encoding``).
-    encoding: str = ""
-    #: Bytes of residual (predictive) or delta chunks, without gradients.
-    residual_bytes: int = 0
-    #: Seconds the committer spent encoding (predicting, compressing, hashing), not writing.
-    encode_seconds: float = 0.0
-
-
-@dataclass(frozen=True)
-class RestoreResult:
-    """What ``restore()`` found: the step to resume after, or a fresh run."""
-
-    #: The step of the restored version (``None``: a fresh run, nothing restored).
-    step: int | None
-    version: int
-    #: Events applied from the log, and events skipped (already in the snapshot, duplicates,
-    #: or of versions never sealed).
-    applied: int = 0
-    skipped: int = 0
-    seconds: float = 0.0
-    #: Where the fold started, in words.
-    source: str = ""
-    #: The id of the snapshot the restore started from (``None``: the start of the log).
-    snapshot: str | None = None
-    snapshot_version: int = 0
-    #: Versions replayed from the log after the snapshot (or from the start of the log).
-    tail: int = 0
-    #: Newer snapshots that were passed over, and why: ``((snapshot id, reason), ...)``.
-    passed_over: tuple[tuple[str, str], ...] = ()
-    #: The restored version's state digest (hex), as its seal records it.
-    state_digest: str = ""
-
-    @property
-    def fresh(self) -> bool:
-        """True when the log held no version and nothing was restored."""
-        return self.step is None
-
-    def __str__(self) -> str:
-        if self.fresh:
-            return "fresh run: nothing to restore"
-        return (f"restored version {self.version} (step {self.step}) from {self.source} + "
-                f"{self.tail} versions of log tail in {self.seconds:.2f}s")
 
 
 @dataclass
@@ -597,7 +544,7 @@ class Recorder:
     def _write_group(self, job: _Job) -> CommitResult:
         """One rank's side of a multi-rank version (``rewind.ranks_commit``)."""
         assert self._ranks is not None
-        return CommitResult(**dataclasses.asdict(self._ranks.write(job)))
+        return self._ranks.write(job)
 
     def _restore_group(self) -> RestoreResult:
         """Each rank loads its own part of the newest sealed version (``rewind.ranks_commit``)."""

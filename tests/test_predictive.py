@@ -22,7 +22,8 @@ from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.engine import rebuild
 from eventlog.settings import Settings, current, override
 from replayer.replay import replay, state_dicts
-from rewind.recorder import CommitResult, Recorder
+from rewind.recorder import Recorder
+from rewind.results import CommitResult
 
 from .storage import inline_segments
 

@@ -63,7 +63,8 @@ from eventlog.errors import ConfigError, RewindError, RunNotFoundError
 from eventlog.fold.engine import RebuiltState
 from eventlog.settings import Settings
 from replayer.replay import ReplayReport, replay
-from rewind.recorder import CommitResult, Recorder
+from rewind.recorder import Recorder
+from rewind.results import CommitResult
 from rewind.snapshots import Snapshots, with_store
 from snapshotter.policies import Trigger
 

@@ -48,7 +48,8 @@ from eventlog.backends import RunAddress
 from eventlog.capture import GlobalRng, Stateful
 from eventlog.errors import ConfigError, RewindError, StateMismatchError
 from eventlog.settings import Settings
-from rewind.recorder import Recorder, RestoreResult
+from rewind.recorder import Recorder
+from rewind.results import RestoreResult
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
 
