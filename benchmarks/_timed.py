@@ -136,9 +136,13 @@ def main(argv: list[str]) -> int:
     # Every job's modules are imported before the baseline: the peak counts the job's
     # memory, not the code's.
     import benchmarks.floor  # noqa: F401
+    import eventlog.embedded  # noqa: F401  (``open_log`` imports its backend on first use)
     import replayer.replay  # noqa: F401
     import rewind.allocator  # noqa: F401
     import snapshotter.service  # noqa: F401
+
+    if any(arg.startswith("kafka:") for arg in argv):
+        import eventlog.kafka  # noqa: F401
 
     baseline = status_kib("VmRSS")
     reset_peak()
