@@ -329,8 +329,9 @@ class Recorder:
                             "continue it with group= at a world size that divides its shard count")
         if self._steps is not None:
             self._steps.take()  # steps taken before the restore led to another state
-        # The restored state becomes the XOR base of the next commit.
-        self._prev = {n: t.bits.copy() for s in state.shards for n, t in s.tensors.items()}
+        # The restored state becomes the XOR base of the next commit (in host buffers, as
+        # the bases commits keep: not in the heap below the trainer's allocations).
+        self._prev = {n: _host_copy(t.bits) for s in state.shards for n, t in s.tensors.items()}
         self._prev_chunks = {}
         self._specs, self._layout = state.layout.tensors, state.layout
         # Chunk boundaries are part of the digests: keep the run's, whatever this process set.
@@ -665,6 +666,13 @@ class _Emitter:
         if shard != CONTROL:
             self.shard_counts[shard] += 1
         self.gsn += 1
+
+
+def _host_copy(bits: np.ndarray) -> np.ndarray:
+    """``bits`` copied into a ``tensorcodec.host_buffer``."""
+    out = tensorcodec.host_buffer(len(bits))
+    out[:] = bits
+    return out
 
 
 def _timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
