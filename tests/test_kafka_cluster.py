@@ -237,11 +237,23 @@ def _kill(node: int) -> int:
 
 
 def _gone(*pids: int) -> None:
-    """Wait until killed JVMs have exited (it takes a moment; their parent, init, reaps them)."""
-    for _ in range(200):
-        if not any(Path(f"/proc/{pid}").exists() for pid in pids):
+    """Wait until killed JVMs have exited (it takes a moment; their parent, init, reaps them).
+    On a loaded machine a killed broker's exit has taken over 15 s, and ``scripts/kafka start``
+    counts a node whose process still runs ``kafka.Kafka`` as up and waits for it in vain."""
+    deadline = time.monotonic() + 120
+    while True:
+        alive = [pid for pid in pids if "kafka.Kafka" in _cmdline(pid)]
+        if not alive:
             return
+        assert time.monotonic() < deadline, f"killed brokers still running after 120 s: {alive}"
         time.sleep(0.05)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def _start(node: int | None = None) -> subprocess.Popen[str]:
