@@ -226,21 +226,33 @@ SMALL_STATE_TYPES = (SchedulerStep, RngAdvance, SamplerCursor, CustomState)
 
 def _to_avro(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _to_avro(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {name: _to_avro(getattr(value, name)) for name in _field_names(type(value))}
     if isinstance(value, tuple):
         return [_to_avro(v) for v in value]
     return value
 
 
+_FIELD_NAMES: dict[type[Any], tuple[str, ...]] = {}
+
+
+def _field_names(cls: type[Any]) -> tuple[str, ...]:
+    # ``dataclasses.fields`` filters every attribute again on each call: a replay decodes
+    # an event per record, so the names are looked up once per class.
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 def _from_avro(cls: type[Any], data: dict[str, Any]) -> Any:
     kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        v = data[f.name]
-        if f.name == "tensors":
+    for name in _field_names(cls):
+        v = data[name]
+        if name == "tensors":
             v = tuple(_from_avro(TensorSpec, t) for t in v)
         elif isinstance(v, list):
             v = tuple(v)
-        kwargs[f.name] = v
+        kwargs[name] = v
     return cls(**kwargs)
 
 
@@ -261,7 +273,7 @@ class Envelope:
 
     def to_avro(self) -> dict[str, Any]:
         """The record fastavro writes (the union branch named explicitly)."""
-        record = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        record = {name: getattr(self, name) for name in _field_names(type(self))}
         record["body"] = (f"rewind.{type(self.body).__name__}", _to_avro(self.body))
         return record
 
@@ -270,8 +282,8 @@ class Envelope:
         """Build from a record read with ``return_record_name=True``."""
         name, body = record["body"]
         body_cls = BODY_TYPES[name]
-        fields: dict[str, Any] = {f.name: record.get(f.name) for f in dataclasses.fields(cls)
-                                  if f.name != "body"}
+        fields: dict[str, Any] = {name: record.get(name) for name in _field_names(cls)
+                                  if name != "body"}
         return cls(**fields, body=_from_avro(body_cls, body))
 
     @property

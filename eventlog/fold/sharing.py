@@ -14,12 +14,34 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 R = TypeVar("R")
+
+
+def run_threads(count: int, target: Callable[[], None]) -> None:
+    """Run ``target`` on ``count`` new threads and wait for them all; ``target`` must not
+    raise. Every thread is started before any of them runs ``target``: a thread started
+    while a sibling runs Python code waits for the GIL (up to the interpreter's switch
+    interval, 5 ms by default) before it can even report that it started, and the caller
+    waits with it."""
+    go = threading.Event()
+
+    def run() -> None:
+        go.wait()
+        target()
+
+    threads = [threading.Thread(target=run, name=f"rewind-worker-{i}", daemon=True) for i in range(count)]
+    try:
+        for t in threads:
+            t.start()
+    finally:
+        go.set()  # (the started ones run, and are joined, even if a start failed)
+        for t in threads:
+            if t.ident is not None:
+                t.join()
 
 
 def map_shared(workers: int, items: Sequence[T], fn: Callable[[T, WorkBoard | None], R]) -> list[R]:
@@ -31,8 +53,19 @@ def map_shared(workers: int, items: Sequence[T], fn: Callable[[T, WorkBoard | No
     Otherwise ``board`` is ``None`` and ``fn`` runs its units itself (on one pool thread)."""
     n = len(items)
     if workers <= 1 or n <= 1:
-        with ThreadPoolExecutor(1) as pool:
-            return list(pool.map(lambda item: fn(item, None), items))
+        out: list[R] = []
+        failed: list[BaseException] = []
+
+        def alone() -> None:
+            try:
+                out.extend(fn(item, None) for item in items)
+            except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(exc)
+
+        run_threads(1, alone)
+        if failed:
+            raise failed[0]
+        return out
     board = WorkBoard(participants=n, threads=min(workers, n))
     results: list[R | None] = [None] * n
     errors: dict[int, BaseException] = {}
@@ -48,9 +81,7 @@ def map_shared(workers: int, items: Sequence[T], fn: Callable[[T, WorkBoard | No
                 board.leave()
         board.help()
 
-    with ThreadPoolExecutor(min(workers, n)) as pool:
-        for future in [pool.submit(worker) for _ in range(min(workers, n))]:
-            future.result()
+    run_threads(min(workers, n), worker)
     if errors:
         raise errors[min(errors)]
     return results  # type: ignore[return-value]
