@@ -187,13 +187,17 @@ class Recording:
 
 
 def baselines(cfg: Config, work: Workload, path: Path, n: int, r: Recording) -> None:
-    """``n`` times: the memory copy of the state (median of 3), then ``torch.save`` of it
-    (timed to the page cache, then to the end of its fsync). Run with no recorder open, so
-    no background work of Rewind's (encode, WAL checkpoint) competes with the baselines."""
+    """``n`` times: one training step, then the memory copy of the state, then ``torch.save``
+    of it (timed to the page cache, then to the end of its fsync). The copy is timed where a
+    commit's is, right after a step: repeated back to back, a state that fits in the cache
+    would be copied from and into cached memory, which no commit after a step meets. Run with
+    no recorder open, so no background work of Rewind's (encode, WAL checkpoint) competes
+    with the baselines."""
     floor = MemcpyFloor(work)
     for _ in range(min(n, BASELINE_REPEATS)):
+        work.step()
         gc.collect()
-        r.memcpy_s.append(statistics.median(floor() for _ in range(3)))
+        r.memcpy_s.append(floor())
         t0 = time.perf_counter()
         tree = work.checkpoint()
         with open(path, "wb") as f:
