@@ -60,9 +60,16 @@ class ViewStream:
 
     def __init__(self, view: memoryview, bulk_at: int) -> None:
         self._view, self._bulk, self._pos = view, bulk_at, 0
+        # The fields before the bulk one are read a few bytes at a time: slices of one copy
+        # of them cost less than a view and a copy per read.
+        self._head = bytes(view[:max(0, min(bulk_at, len(view)))])
+        self._head_len = len(self._head)
 
     def read(self, n: int = -1, /) -> bytes:
         start = self._pos
+        if n >= 0 and start + n <= self._head_len:
+            self._pos = start + n
+            return self._head[start:start + n]
         end = len(self._view) if n < 0 else min(len(self._view), start + n)
         self._pos = end
         if start == self._bulk and end > start:
