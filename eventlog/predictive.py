@@ -23,7 +23,7 @@ import torch
 
 from eventlog import optimstep, tensorcodec
 from eventlog.events import OptimizerStep, TensorDelta, TensorSpec
-from eventlog.fold.deferred import TILE_ALIGN, Scratch, units_of
+from eventlog.fold.deferred import TILE_ALIGN, units_of
 from eventlog.optimstep import CapturedStep, tensor_view
 
 STATE_PREFIX = "optimizer/state"
@@ -178,7 +178,8 @@ class Prediction:
         single-value states (Adam's ``step``) as the step left them, and the seconds taken."""
         t0 = time.perf_counter()
         total = sum(t.nbytes for t in unit)
-        scratch = _scratch(total) if total <= chunk_bytes else np.empty(total, np.uint8)
+        # The codec thread's one chunk buffer: encoding a gradient chunk (no base) leaves it alone.
+        scratch = tensorcodec.chunk_scratch(total) if total <= chunk_bytes else np.empty(total, np.uint8)
         out: list[list[tensorcodec.EncodedChunk]] = []
         params, grads, tile_states, groups = [], [], [], []
         finals: dict[str, torch.Tensor] = {}
@@ -307,8 +308,3 @@ def predict(
     predicted = {n for step in steps for i in step.grads
                  for n in (plan.params[i], *owned.get(state_prefix(i), {}).values())}
     return Prediction(plan, list(steps), spec_of, prev, shards, predicted, len(steps))
-
-
-#: This module's gradient tile buffers: one chunk-sized buffer per codec thread instead of
-#: a copy of every gradient.
-_scratch = Scratch()

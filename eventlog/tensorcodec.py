@@ -194,7 +194,7 @@ def encode_chunk(
     ``compression`` is ``none`` (raw) or a blosc2 codec (a chunk that does not shrink is
     stored raw)."""
     if prev is not None:
-        delta = np.bitwise_xor(new, prev, out=_xor_scratch(len(new)))
+        delta = np.bitwise_xor(new, prev, out=chunk_scratch(len(new)))
         if not delta.any():  # unchanged: nothing to write (one pass fewer than comparing first)
             return None
         payload, encoding = _compress(delta, typesize, compression), TensorDelta.XOR
@@ -386,9 +386,12 @@ def _scratch(n: int) -> np.ndarray:
     return buf[:n]
 
 
-def _xor_scratch(n: int) -> np.ndarray:
-    """This thread's reusable XOR buffer for encoding, ``n`` bytes long: one per encoding
-    thread instead of a fresh chunk-sized array per chunk for the allocator to keep."""
+def chunk_scratch(n: int) -> np.ndarray:
+    """This thread's reusable encoding buffer, ``n`` bytes long: one per encoding thread
+    instead of a fresh chunk-sized array per chunk for the allocator to keep. ``encode_chunk``
+    XORs into it, and the predictive codec copies a gradient tile into it before encoding
+    that tile with no base (which does not use it): one buffer per codec thread serves both.
+    Its contents are only valid until the thread's next use."""
     buf: np.ndarray | None = getattr(_local, "xor", None)
     if buf is None or len(buf) < n:
         buf = _local.xor = np.empty(n, dtype=np.uint8)

@@ -52,11 +52,13 @@ _TRIM: list[Any] = []  # glibc's malloc_trim (or None), looked up once
 
 
 def trim() -> bool:
-    """Give the free pages of every malloc arena back to the kernel (glibc's
-    ``malloc_trim(0)``); returns whether any were. The recorder calls it after each commit:
-    the chunks its codec threads allocate and free while encoding a version stay resident in
-    those threads' arenas otherwise, and the next version reuses at most part of them. A
-    no-op on other C libraries."""
+    """Give free malloc pages back to the kernel (glibc's ``malloc_trim(0)``); returns
+    whether any were. The recorder calls it after each commit: the chunks its codec threads
+    allocate and free while encoding a version stay resident in those threads' arenas
+    otherwise, and the next version reuses at most part of them. glibc returns the free
+    chunks of every arena and the main arena's free top, but not a thread arena's free top
+    (that shrinks only past the trim threshold, which large frees raise): each codec thread
+    keeps up to a few chunks' worth. A no-op on other C libraries."""
     if not _TRIM:
         fn = None
         if platform.libc_ver()[0] == "glibc":
