@@ -475,14 +475,33 @@ def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, s
     """Apply the shard's records after offset ``gt`` and check each checkpoint version.
     Returns ``None`` when the newest version was reached, else ``(first version a replay
     cannot reach, offset of the damaged record or None)`` after adding it to ``walk``."""
+    steps: list[tuple[int, DamagedRecord]] = []
+    broken = _fold_records(log, idx, state, gt, since, base_layout, checkpoints, walk, steps)
+    # A step that predicted differently at or after the break ran on a state the missing or
+    # damaged records had already changed: only the steps before it are named (in order).
+    for position, record in reversed(steps):
+        if broken is None or (record.version is not None and record.version < broken[0]):
+            walk.damaged.insert(position, record)
+    return broken
+
+
+def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
+                  base_layout: RunStarted | None, checkpoints: list[int], walk: _Walk,
+                  steps: list[tuple[int, DamagedRecord]]) -> tuple[int, int | None] | None:
+    """``_fold``'s walk; each step whose predicted digests differ goes to ``steps`` with its
+    place in ``walk.damaged``, not to ``walk.damaged`` itself."""
     shard, seals, newest = state.shard, idx.seals, max(idx.seals)
     sealed = set(seals)
     records = _Records(log, shard, gt)
+    diverged = False  # a step predicted differently since the last checkpoint that matched
     settle = current().settle_s
 
+    def record(version: int | None, offset: int | None, exc: RewindError) -> DamagedRecord:
+        return DamagedRecord(version, shard, offset, log.record_file(shard, offset),
+                             f"{type(exc).__name__}: {exc}")
+
     def damaged(version: int | None, offset: int | None, exc: RewindError) -> None:
-        walk.damaged.append(DamagedRecord(version, shard, offset, log.record_file(shard, offset),
-                                          f"{type(exc).__name__}: {exc}"))
+        walk.damaged.append(record(version, offset, exc))
 
     for target in checkpoints:
         while True:
@@ -512,8 +531,12 @@ def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, s
                 # The step ran; only its check of the digests it predicted failed (a damaged
                 # name or digest in the record, or a step that diverged). A replay's batched
                 # steps skip that check: the residual chunks and the seal still check the
-                # state the step left, here as there. So it is named, and the fold goes on.
-                damaged(env.version, offset, exc)
+                # state the step left, here as there. So it is named, and the fold goes on;
+                # the steps after it, until a checkpoint's digests match again, ran on the
+                # state it left and differ for that reason alone.
+                if not diverged:
+                    steps.append((len(walk.damaged), record(env.version, offset, exc)))
+                diverged = True
                 _count_applied(state, env, nbytes)
             except RewindError as exc:
                 damaged(env.version, offset, exc)
@@ -532,10 +555,13 @@ def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, s
         layout = idx.layout_at(target, base_layout)
         mismatch = _digest_mismatch(state, layout, seal.seal.shard_digests, target)
         if mismatch is not None:
-            walk.damaged.append(DamagedRecord(
-                target, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
-                f"{mismatch}: the seal of version {target} is damaged, or a record whose own checks passed"))
+            if not diverged:  # (else the step named since the last match explains it)
+                why = f"the seal of version {target} is damaged, or a record whose own checks passed"
+                walk.damaged.append(DamagedRecord(
+                    target, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
+                    f"{mismatch}: {why}"))
             walk.bad.add(target)  # the state is what the records say: later versions may match
+        diverged = diverged and mismatch is not None
         since = target
     return None
 

@@ -259,6 +259,26 @@ def test_a_row_naming_a_file_outside_the_run_is_refused(tmp_path: Path) -> None:
     log.close()
 
 
+def test_a_damaged_bulk_hint_does_not_make_intact_bytes_unreadable(tmp_path: Path) -> None:
+    db = tmp_path / "h.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    payloads = [_payload(0), _payload(1)]
+    _append(log, payloads)
+    log.close()
+    data, _ = serde.encode.with_bulk(_envelope(payloads[0]))
+    # The hint now points at a string field's bytes (the dtype), where Avro wants bytes.
+    conn = sqlite3.connect(db)
+    conn.execute("UPDATE extents SET bulk=? WHERE partition=0 AND offset=0", (data.index(b"float32"),))
+    conn.commit()
+    conn.close()
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    for decoded in (list(log.scan_decoded(0, _decode, batch=1)), log.read_decoded(0, _decode)):
+        assert [bytes(d.value.body.payload) for d in decoded] == payloads
+        assert [d.value.body.dtype for d in decoded] == ["float32", "float32"]
+    log.close()
+
+
 def test_truncation_deletes_the_files_wholly_below_the_new_start(
         tmp_path: Path, configure: Callable[..., Settings]) -> None:
     configure(embedded_segment_bytes=100_000)  # two 40 KB chunks a file

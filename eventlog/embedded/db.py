@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import ParamSpec, TypeVar
 
 from eventlog.errors import CorruptStoreError, EventLogError, RewindError, RunNotFoundError
-from eventlog.settings import current
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -127,9 +126,9 @@ class Database:
             c = sqlite3.connect(
                 self.path, timeout=60.0, isolation_level=None, check_same_thread=not shared
             )
-            # Only takes effect on a new file. A rowid table keeps blobs out of the index
-            # b-tree (WITHOUT ROWID copies them in).
-            c.execute(f"PRAGMA page_size={_new_file_page_size()}")
+            # Large pages suit multi-MiB chunk blobs (only takes effect on a new file), and a
+            # rowid table keeps blobs out of the index b-tree (WITHOUT ROWID copies them in).
+            c.execute("PRAGMA page_size=65536")
             _journal_wal(c)
             c.execute("PRAGMA synchronous=FULL")
         except sqlite3.Error as exc:
@@ -202,16 +201,6 @@ def wrapped(fn: Callable[P, R]) -> Callable[P, R]:
             raise args[0]._db.wrap(exc) from exc  # type: ignore[attr-defined]
 
     return run
-
-
-def _new_file_page_size() -> int:
-    """The page size of a new database file. Large pages suit tensor-chunk blobs, which stay
-    in SQLite only when ``Settings.embedded_segment_min_bytes`` keeps the smaller chunks
-    there; otherwise every chunk goes to a segment file and the database holds only small
-    rows, and SQLite's default pages suit them: each connection's page cache holds the
-    whole pages it has read, and a recorder has about a dozen connections (its log, its
-    coordinator and its snapshotter's, each one per thread)."""
-    return 65536 if current().embedded_segment_min_bytes > 0 else 4096
 
 
 def _journal_wal(c: sqlite3.Connection) -> None:

@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from eventlog import segments
 from eventlog.embedded.db import Database, wrapped
-from eventlog.errors import CorruptStoreError, RewindError, TruncatedHistoryError
+from eventlog.errors import CorruptMessageError, CorruptStoreError, RewindError, TruncatedHistoryError
 from eventlog.ports import Decoded, Decoder, MessageStream, Record, paged
 
 R = TypeVar("R")
@@ -101,6 +101,17 @@ class Stored(NamedTuple):
             return BlobStream.over(self.blob, self.db)
         return ViewStream(self.view or memoryview(b""), self.bulk_at)
 
+    def decoded(self, decode: Decoder[Any], offset: int) -> Any:
+        """The record decoded by ``decode``. A segment record whose bytes do not decode with
+        its bulk hint is decoded again without it: the hint is the database's, and damage
+        there must not make intact bytes unreadable."""
+        try:
+            return decode(self.stream(), self.size(), offset)
+        except CorruptMessageError:
+            if self.view is None or self.bulk_at < 0:
+                raise
+            return decode(ViewStream(self.view, -1), self.size(), offset)
+
 
 class Located(NamedTuple):
     """A record a scan found: ``take()`` decodes it (see ``EmbeddedLog.scan_decoded``)."""
@@ -149,7 +160,7 @@ class RunReader:
         """Records with ``gt < offset <= lte``, each decoded from a stream over its blob or
         segment file (a rowid ``records`` table only)."""
         return self._stored(partition, gt, lte, limit, lambda at, offset: Decoded(
-            offset, at.size(), decode(at.stream(), at.size(), offset)))
+            offset, at.size(), at.decoded(decode, offset)))
 
     @wrapped
     def scan_decoded(
@@ -175,11 +186,11 @@ class RunReader:
                     error = at.error
                     return Located(offset, lambda: raise_(error))
                 if reached:
-                    box = [Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))]
+                    box = [Decoded(offset, at.size(), at.decoded(decode, offset))]
                     return Located(offset, lambda: [box.pop()])  # (not kept alive by the page)
                 if at.view is not None:
                     return Located(offset, lambda: [
-                        Decoded(offset, at.size(), decode(at.stream(), at.size(), offset))])
+                        Decoded(offset, at.size(), at.decoded(decode, offset))])
                 if at.size() <= PAGE_COPY_BYTES:
                     try:
                         value = at.value()
