@@ -392,9 +392,9 @@ def chunk_scratch(n: int) -> np.ndarray:
     XORs into it, and the predictive codec copies a gradient tile into it before encoding
     that tile with no base (which does not use it): one buffer per codec thread serves both.
     Its contents are only valid until the thread's next use."""
-    buf: np.ndarray | None = getattr(_local, "xor", None)
+    buf: np.ndarray | None = getattr(_local, "chunk", None)
     if buf is None or len(buf) < n:
-        buf = _local.xor = np.empty(n, dtype=np.uint8)
+        buf = _local.chunk = np.empty(n, dtype=np.uint8)
     return buf[:n]
 
 

@@ -475,21 +475,20 @@ def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, s
     """Apply the shard's records after offset ``gt`` and check each checkpoint version.
     Returns ``None`` when the newest version was reached, else ``(first version a replay
     cannot reach, offset of the damaged record or None)`` after adding it to ``walk``."""
-    steps: list[tuple[int, DamagedRecord]] = []
+    steps: list[DamagedRecord] = []
     broken = _fold_records(log, idx, state, gt, since, base_layout, checkpoints, walk, steps)
-    # A step that predicted differently at or after the break ran on a state the missing or
-    # damaged records had already changed: only the steps before it are named (in order).
-    for position, record in reversed(steps):
-        if broken is None or (record.version is not None and record.version < broken[0]):
-            walk.damaged.insert(position, record)
+    if broken is not None:
+        # A step that predicted differently at or after the break ran on a state the missing
+        # or damaged records had already changed: only the steps before it stay named.
+        late = {id(d) for d in steps if d.version is not None and d.version >= broken[0]}
+        walk.damaged[:] = [d for d in walk.damaged if id(d) not in late]
     return broken
 
 
 def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
                   base_layout: RunStarted | None, checkpoints: list[int], walk: _Walk,
-                  steps: list[tuple[int, DamagedRecord]]) -> tuple[int, int | None] | None:
-    """``_fold``'s walk; each step whose predicted digests differ goes to ``steps`` with its
-    place in ``walk.damaged``, not to ``walk.damaged`` itself."""
+                  steps: list[DamagedRecord]) -> tuple[int, int | None] | None:
+    """``_fold``'s walk; each step it names for predicting differently also goes to ``steps``."""
     shard, seals, newest = state.shard, idx.seals, max(idx.seals)
     sealed = set(seals)
     records = _Records(log, shard, gt)
@@ -535,7 +534,8 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 # the steps after it, until a checkpoint's digests match again, ran on the
                 # state it left and differ for that reason alone.
                 if not diverged:
-                    steps.append((len(walk.damaged), record(env.version, offset, exc)))
+                    steps.append(record(env.version, offset, exc))
+                    walk.damaged.append(steps[-1])
                 diverged = True
                 _count_applied(state, env, nbytes)
             except RewindError as exc:
