@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -331,8 +331,11 @@ def cluster() -> Iterator[None]:
         _started(_start())
 
 
-def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A request to a dead leader times out until fresh metadata names the new one."""
+@pytest.mark.parametrize("code", ["_TIMED_OUT", "_TIMED_OUT_QUEUE"])
+def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.MonkeyPatch,
+                                                       code: str) -> None:
+    """A request to a dead leader times out, sent or still queued for a broker that is not
+    connected, until fresh metadata names the new leader."""
     from confluent_kafka import KafkaError, KafkaException
 
     from eventlog import EventLogError
@@ -343,7 +346,7 @@ def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.Monke
     def ask(timeout: float) -> int:
         calls.append(f"ask {timeout:g}")
         if calls.count("refresh") < 2:
-            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
+            raise KafkaException(KafkaError(getattr(KafkaError, code)))
         return 7
 
     def refresh(timeout: float) -> None:
@@ -355,8 +358,33 @@ def test_failover_refreshes_metadata_before_each_retry(monkeypatch: pytest.Monke
     calls.clear()
     monkeypatch.setattr(kafka_calls, "FAILOVER_S", 0.0)
     with pytest.raises(EventLogError, match=r"^reading offsets of t \[0\] \(no partition leader "
-                       r"answered in 0 s of retries with fresh metadata\): _TIMED_OUT"):
+                       rf"answered in 0 s of retries with fresh metadata\): {code}:"):
         kafka_calls.failover("reading offsets of t [0]", ask, lambda timeout: None)
+
+
+def test_failover_retries_an_unknown_partition_only_when_asked_to() -> None:
+    """A partition just created is unknown to its leader for a moment (``unknown="retry"``);
+    elsewhere an unknown partition fails at once, or goes back to the caller as is."""
+    from confluent_kafka import KafkaError, KafkaException
+
+    from eventlog import EventLogError
+    from eventlog.kafka import calls as kafka_calls
+
+    def answers() -> Callable[[float], int]:
+        left = [2]
+
+        def ask(timeout: float) -> int:
+            left[0] -= 1
+            if left[0] >= 0:
+                raise KafkaException(KafkaError(KafkaError.UNKNOWN_TOPIC_OR_PART))
+            return 7
+        return ask
+
+    assert kafka_calls.failover("w", answers(), lambda timeout: None, unknown="retry") == 7
+    with pytest.raises(EventLogError, match=r"^w: UNKNOWN_TOPIC_OR_PART"):
+        kafka_calls.failover("w", answers(), lambda timeout: None)
+    with pytest.raises(KafkaException):
+        kafka_calls.failover("w", answers(), lambda timeout: None, unknown="raise")
 
 
 def _kill_leader(topic: str) -> tuple[int, int, float]:

@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
@@ -24,8 +24,6 @@ from eventlog.kafka.calls import (
     describe,
     failover,
     kafka_error,
-    transient,
-    wrap,
 )
 from eventlog.kafka.config import (
     REQUEST_TIMEOUT_S,
@@ -175,12 +173,11 @@ def _ready(admin: AdminClient, want: dict[str, int], what: str, deadline: float)
         time.sleep(0.1)
 
 
-def query_marks(consumer: Consumer, topic: str, kp: int,
-                within: float | None = None) -> tuple[int, int] | None:
-    """``(low watermark, last stable offset)`` of ``(topic, kp)``, or ``None`` if the
-    partition does not exist; a leader change is waited out for at most ``within`` seconds."""
+def _offset_calls(consumer: Consumer, topic: str, kp: int) -> tuple[
+        Callable[[float], tuple[int, int]], Callable[[float], object]]:
+    """An offset query of ``(topic, kp)`` and the metadata refresh ``failover`` runs
+    between its attempts."""
     tp = TopicPartition(topic, kp)
-    what = f"reading offsets of {topic} [{kp}]"
 
     def marks(timeout: float) -> tuple[int, int]:
         return consumer.get_watermark_offsets(tp, timeout=timeout, cached=False)
@@ -188,8 +185,17 @@ def query_marks(consumer: Consumer, topic: str, kp: int,
     def refresh(timeout: float) -> object:
         return consumer.list_topics(topic, timeout=timeout)
 
+    return marks, refresh
+
+
+def query_marks(consumer: Consumer, topic: str, kp: int,
+                within: float | None = None) -> tuple[int, int] | None:
+    """``(low watermark, last stable offset)`` of ``(topic, kp)``, or ``None`` if the
+    partition does not exist; a leader change is waited out for at most ``within`` seconds."""
+    what = f"reading offsets of {topic} [{kp}]"
+    marks, refresh = _offset_calls(consumer, topic, kp)
     try:
-        return failover(what, marks, refresh, unknown_ok=True, within=within)
+        return failover(what, marks, refresh, unknown="raise", within=within)
     except KafkaException:
         pass  # an unknown topic or partition
     # Maybe only our metadata cache is stale (topic created since): refresh and ask again.
@@ -212,9 +218,7 @@ class Watermarks:
     def marks(self, topic: str, kp: int, within: float | None = None) -> tuple[int, int] | None:
         """``(low, last stable offset)``, or ``None`` if the partition does not exist."""
         with self._lock:
-            if self._consumer is None:
-                self._consumer = client(Consumer, self._conf, "consumer")
-            return query_marks(self._consumer, topic, kp, within)
+            return query_marks(self._client(), topic, kp, within)
 
     def wait_placed(self, partitions: list[tuple[str, int]], what: str) -> None:
         """Wait (bounded) until each partition's leader answers an offset query, which it
@@ -225,25 +229,17 @@ class Watermarks:
         batch to that partition may already be appended, at offset 0 (a producer new to a
         partition may start at any sequence number): the transaction then lacks its first
         records."""
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S * 2
         with self._lock:
-            if self._consumer is None:
-                self._consumer = client(Consumer, self._conf, "consumer")
-            consumer = self._consumer
+            consumer = self._client()
             for topic, kp in partitions:
-                tp = TopicPartition(topic, kp)
-                while True:
-                    try:
-                        consumer.get_watermark_offsets(tp, timeout=REQUEST_TIMEOUT_S, cached=False)
-                        break
-                    except KafkaException as exc:
-                        err = kafka_error(exc)
-                        if not (transient(exc) or (err is not None and err.code() in UNKNOWN)) \
-                                or time.monotonic() > deadline:
-                            raise wrap(exc, f"{what}: waiting for the leader of {topic} [{kp}]") from exc
-                    time.sleep(0.05)
-                    with contextlib.suppress(KafkaException):
-                        consumer.list_topics(topic, timeout=REQUEST_TIMEOUT_S)
+                marks, refresh = _offset_calls(consumer, topic, kp)
+                failover(f"{what}: waiting for the leader of {topic} [{kp}]", marks, refresh,
+                         unknown="retry", within=REQUEST_TIMEOUT_S * 2)
+
+    def _client(self) -> Consumer:
+        if self._consumer is None:
+            self._consumer = client(Consumer, self._conf, "consumer")
+        return self._consumer
 
     def close(self) -> None:
         with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from confluent_kafka import KafkaError, KafkaException, Message
 from tenacity import (
@@ -27,11 +27,17 @@ T = TypeVar("T")
 #: ``broker.session.timeout.ms`` (9 s by default); this leaves room for that twice over.
 FAILOVER_S = 30.0
 
+#: The pause before each retry of ``failover``.
+RETRY_PAUSE_S = 0.05
+
 #: Errors of a writer that a newer writer with the same transactional.id took over.
 FENCING = {KafkaError._FENCED, KafkaError.PRODUCER_FENCED, KafkaError.INVALID_PRODUCER_EPOCH}
 # Errors worth another attempt even when librdkafka does not flag them retriable.
 _TRANSIENT = {
     KafkaError._TIMED_OUT, KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN,
+    # A request that waited out its timeout unsent, in the queue of a broker that was not
+    # connected (a killed leader, before fresh metadata names the new one).
+    KafkaError._TIMED_OUT_QUEUE,
     KafkaError._WAIT_COORD, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
     KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.NOT_COORDINATOR,
     KafkaError.LEADER_NOT_AVAILABLE, KafkaError.REQUEST_TIMED_OUT,
@@ -105,7 +111,8 @@ def call(what: str, fn: Callable[[], T], *, attempts: int = 5) -> T:
 
 
 def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], object], *,
-             unknown_ok: bool = False, within: float | None = None) -> T:
+             unknown: Literal["fail", "raise", "retry"] = "fail",
+             within: float | None = None) -> T:
     """``fn(timeout)`` for a request that goes to a partition's leader, retried across a
     leader change for at most ``within`` seconds (``FAILOVER_S``).
 
@@ -113,8 +120,10 @@ def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], obj
     it keeps asking the dead one until its next metadata refresh. So each retry first calls
     ``refresh(timeout)`` (a metadata request for the topic). The per-attempt timeout grows
     by 1 s from 1 s up to ``REQUEST_TIMEOUT_S``: slowly, because an attempt sent to the dead
-    leader just before the election waits out its whole timeout. With ``unknown_ok``, an
-    unknown topic or partition is re-raised as is (the caller decides what it means).
+    leader just before the election waits out its whole timeout. An unknown topic or
+    partition fails the call (``unknown="fail"``), is re-raised as is for the caller to
+    decide what it means (``"raise"``), or is retried like a leader change (``"retry"``: a
+    partition just created).
     """
     within = FAILOVER_S if within is None else within
     deadline = time.monotonic() + within
@@ -124,15 +133,18 @@ def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], obj
             return fn(timeout)
         except KafkaException as exc:
             err = kafka_error(exc)
-            if unknown_ok and err is not None and err.code() in UNKNOWN:
+            is_unknown = err is not None and err.code() in UNKNOWN
+            if is_unknown and unknown == "raise":
                 raise
             left = deadline - time.monotonic()
-            if not transient(exc):
+            if not (transient(exc) or (is_unknown and unknown == "retry")):
                 raise wrap(exc, what) from exc
             if left <= 0:
                 raise wrap(exc, f"{what} (no partition leader answered in {within:g} s of "
                                 "retries with fresh metadata)") from exc
             logger.info("%s: %s; retrying with fresh metadata", what, describe(err, exc))
+        # A leaderless partition can fail at once: do not ask it in a busy loop.
+        time.sleep(min(RETRY_PAUSE_S, max(0.0, deadline - time.monotonic())))
         timeout = max(0.5, min(timeout + 1, REQUEST_TIMEOUT_S, deadline - time.monotonic()))
         try:
             refresh(timeout)
