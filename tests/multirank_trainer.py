@@ -7,7 +7,10 @@ without importing torch again. A job with ``kills`` runs in rounds: each kill en
 and the whole job is launched again (a fresh rendezvous, as a restarted torchrun job), up
 to a last round without a kill. ``python tests/multirank_trainer.py <jobs.json>``: a JSON
 list of ``{"name", "nproc", "cfg"}``; it writes ``<jobs.json>.out``, each round's outcome
-(``name``, ``round``, ``ok``, ``error``, ``seconds``).
+(``name``, ``round``, ``ok``, ``error``, ``seconds``). A rank still running ``hang_s``
+seconds (``cfg``, default 240) into its round writes every thread's stack to
+``<out>/hang<k>-rank<r>.txt`` and exits 1, so a hang fails the test in bounded time and says
+where it was.
 
 The trainer (``train(cfg)``): FSDP2 (``fully_shard`` over a CPU ``DeviceMesh``) or DDP,
 AdamW, a step scheduler, a per-rank sampler and the global RNGs, recorded with
@@ -34,6 +37,7 @@ agreement (so rank 0 never seals that version);
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import random
@@ -222,6 +226,8 @@ def train(cfg: dict[str, Any]) -> None:
     kill = cfg["kills"][round_] if round_ < len(cfg["kills"]) else ""
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    hang = (out / f"hang{round_}-rank{rank}.txt").open("w")
+    faulthandler.dump_traceback_later(float(cfg.get("hang_s", 240)), exit=True, file=hang)
     torch.set_num_threads(1)
     model: torch.nn.Module = tiny_model()
     torch.manual_seed(1234 + rank)
@@ -291,6 +297,7 @@ def train(cfg: dict[str, Any]) -> None:
             (out / "full-final.msgpack").write_bytes(msgpack.packb(full, use_bin_type=True))
     dist.barrier()
     dist.destroy_process_group()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _free_port() -> int:

@@ -60,8 +60,10 @@ MATRIX = os.environ.get("REWIND_MULTIRANK_MATRIX", "10")
 class Jobs:
     """Every job's run address, output directory and outcome."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, config: pytest.Config) -> None:
         self.root = root
+        # The launcher stops a minute before pytest-timeout would, so a failure has its output.
+        self.timeout = float(config.getini("timeout") or 900) - 60
         self.specs: list[dict[str, Any]] = []
         self.addresses: dict[str, RunAddress] = {}
         self.outcome: dict[str, list[dict[str, Any]]] = {}
@@ -75,17 +77,28 @@ class Jobs:
     def out(self, name: str) -> Path:
         return self.root / name
 
-    def run(self, timeout: float = 900) -> None:
+    def run(self) -> None:
+        timeout = self.timeout
         path = self.root / "jobs.json"
         path.write_text(json.dumps(self.specs))
         root = Path(__file__).resolve().parent.parent
         paths = (str(root), os.environ.get("PYTHONPATH"))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
-        done = subprocess.run([sys.executable, str(TRAINER), str(path)], env=env, capture_output=True,
-                              text=True, timeout=timeout, cwd=self.root)
+        try:
+            done = subprocess.run([sys.executable, str(TRAINER), str(path)], env=env, capture_output=True,
+                                  text=True, timeout=timeout, cwd=self.root)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError(f"the jobs ran past {timeout:g} s\n{self.hangs()}\n"
+                                 f"{(exc.stderr or b'')[-3000:]!r}") from None
         assert done.returncode == 0, done.stderr[-3000:]
+        assert not self.hangs(), self.hangs()
         for r in json.loads(path.with_name("jobs.json.out").read_text()):
             self.outcome.setdefault(r["name"], []).append(r)
+
+    def hangs(self) -> str:
+        """The stacks of every rank that hung (see ``multirank_trainer``), file by file."""
+        return "\n".join(f"{p}:\n{p.read_text()[-4000:]}" for p in sorted(self.root.glob("*/hang*.txt"))
+                         if p.stat().st_size)
 
     def ok(self, name: str, why: str = "") -> None:
         """The job's last round ended well, and every round before it failed (its kill)."""
@@ -107,9 +120,9 @@ def _read(path: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> Jobs:
+def jobs(tmp_path_factory: pytest.TempPathFactory, pytestconfig: pytest.Config) -> Jobs:
     root = tmp_path_factory.mktemp("multirank")
-    j = Jobs(root)
+    j = Jobs(root, pytestconfig)
 
     def snaps(name: str) -> dict[str, Any]:
         return {"snapshots": f"file://{root}/snaps-{name}", "snapshot_every": 3}
@@ -326,7 +339,7 @@ def test_two_rank_run_restores_into_a_plain_model(jobs: Jobs) -> None:
                     reason="REWIND_MULTIRANK_MATRIX=0: the random-kill matrix is left out")
 @pytest.mark.parametrize("backend", ["embedded", pytest.param("kafka", marks=pytest.mark.kafka)])
 @pytest.mark.parametrize("world", [2, 4])
-def test_random_kill_matrix(world: int, backend: str, tmp_path: Path) -> None:
+def test_random_kill_matrix(world: int, backend: str, tmp_path: Path, pytestconfig: pytest.Config) -> None:
     """FSDP2 + AdamW + a scheduler + a per-rank sampler, killed on a random rank at random
     points (``random_kills``), restarted whole after each kill, restored and continued: every
     rank's final parameters, optimizer state, scheduler, sampler and RNGs are bit-equal to an
@@ -337,14 +350,14 @@ def test_random_kill_matrix(world: int, backend: str, tmp_path: Path) -> None:
     steps = count * (KILL_WITHIN + 1) + 2  # every kill fires before the job ends
     for name in ("u", "k"):
         (tmp_path / name).mkdir()
-    jobs = Jobs(tmp_path)
+    jobs = Jobs(tmp_path, pytestconfig)
     for name, address, cfg in (
             ("uninterrupted", make_address("embedded", tmp_path / "u", "u"), {}),
             ("killed", make_address(backend, tmp_path / "k", "k" if backend == "embedded" else None),
              {"kills": kills})):
         jobs.add(name, address, nproc=world, steps=steps, snapshots=f"file://{tmp_path}/snaps-{name}",
                  snapshot_every=4, **cfg)
-    jobs.run(timeout=300 + 120 * world * (count + 1))
+    jobs.run()
     rounds = [r["seconds"] for r in jobs.outcome["killed"]]
     print(f"random kill matrix, {world} ranks, {backend}: seed {seed}, uninterrupted "
           f"{jobs.outcome['uninterrupted'][0]['seconds']} s, rounds {rounds} s")
