@@ -55,11 +55,28 @@ class Decoded(NamedTuple):
     value: Any
 
 
+#: A message to append: one buffer, or the consecutive parts that make it (so that a
+#: multi-MiB payload can be written without being copied into one buffer first).
+MessageBytes = bytes | tuple[bytes, ...]
+
+
+def joined(message: MessageBytes) -> bytes:
+    """The message as one buffer (a copy only when it came in parts)."""
+    if isinstance(message, bytes):
+        return message
+    return message[0] if len(message) == 1 else b"".join(message)
+
+
+def message_size(message: MessageBytes) -> int:
+    """The message's length in bytes."""
+    return len(message) if isinstance(message, bytes) else sum(len(p) for p in message)
+
+
 class LogTransaction(abc.ABC):
     """Messages appended inside one atomic transaction."""
 
     @abc.abstractmethod
-    def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
+    def append(self, partition: int, value: MessageBytes, *, bulk_at: int | None = None) -> None:
         """Queue one message for ``partition``; visible only if the transaction commits.
 
         ``bulk_at``: where the message's bulk field (a tensor chunk's payload) begins. A store

@@ -42,6 +42,7 @@ import xxhash
 
 from eventlog.durability import fsync_dir
 from eventlog.errors import CorruptStoreError, EventLogError
+from eventlog.ports import MessageBytes, message_size
 
 _log = logging.getLogger(__name__)
 
@@ -84,16 +85,17 @@ class Appender:
         self._fds: dict[str, int] = {}
         self._opened_new = False  # a file no committed row named yet: its entry needs a sync
 
-    def append(self, current: str | None, partition: int, offset: int, value: bytes,
+    def append(self, current: str | None, partition: int, offset: int, value: MessageBytes,
                bulk_at: int) -> tuple[str, int]:
         """Write ``value`` to the partition's segment ``current`` (the file its newest
         committed record names), or to a new one when there is none or it is full; returns
         ``(file name, position)`` for the record's row."""
-        align = HUGE_ALIGN if len(value) - bulk_at >= HUGE_ALIGN else ALIGN
+        size = message_size(value)
+        align = HUGE_ALIGN if size - bulk_at >= HUGE_ALIGN else ALIGN
         name = current
         if name is not None:
             pos = _place(self._size(name, existing=True), bulk_at, align)
-            if pos + len(value) > self._roll:
+            if pos + size > self._roll:
                 name = None
         if name is None:  # a new file takes the message whatever its size (and gap)
             name = file_name(partition, offset)
@@ -101,14 +103,20 @@ class Appender:
         self._write(name, value, pos)
         return name, pos
 
-    def _write(self, name: str, value: bytes, pos: int) -> None:
-        view, done = memoryview(value), 0
+    def _write(self, name: str, value: MessageBytes, pos: int) -> None:
+        parts = [memoryview(p) for p in ((value,) if isinstance(value, bytes) else value) if p]
+        total, done = sum(len(p) for p in parts), 0
         try:
-            while done < len(view):  # pwrite may write less than asked; ENOSPC then raises
-                done += os.pwrite(self._fds[name], view[done:], pos + done)
+            while parts:  # pwritev may write less than asked; ENOSPC then raises
+                wrote = os.pwritev(self._fds[name], parts, pos + done)
+                done += wrote
+                while parts and wrote >= len(parts[0]):
+                    wrote -= len(parts.pop(0))
+                if parts:
+                    parts[0] = parts[0][wrote:]
         except OSError as exc:
             raise EventLogError(f"segment file {self._root / name}: cannot write "
-                                f"{len(view)} bytes at {pos}: {exc}") from exc
+                                f"{total} bytes at {pos}: {exc}") from exc
 
     def _size(self, name: str, existing: bool) -> int:
         """The file's size, opening it first. A file that committed rows name must exist:

@@ -6,6 +6,7 @@ schema versions are resolved to the current one, so old logs stay readable.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from typing import IO, Any, cast
 
@@ -13,7 +14,7 @@ import fastavro
 
 import schemas
 from eventlog.errors import CorruptMessageError, RewindError, UnknownSchemaError
-from eventlog.events import Envelope
+from eventlog.events import Envelope, TensorDelta
 from eventlog.ports import MessageStream
 
 MAGIC = b"\xc3\x01"
@@ -26,6 +27,7 @@ class EnvelopeSerializer:
     def __init__(self, version: int = schemas.SCHEMA_VERSION) -> None:
         self._schema = schemas.load(version)
         self._header = MAGIC + self._schema.fingerprint
+        self._bulk_last: dict[bool, bool] = {}  # plaintext? -> the payload's place checked
 
     def __call__(self, envelope: Envelope) -> bytes:
         buf = io.BytesIO()
@@ -35,18 +37,42 @@ class EnvelopeSerializer:
 
     def with_bulk(self, envelope: Envelope) -> tuple[bytes, int | None]:
         """The message, and where its bulk field (a tensor chunk's payload) begins in it
-        (``None`` for an event without one): for ``LogTransaction.append``."""
-        data = self(envelope)
-        payload = getattr(envelope.body, "payload", None)
-        if self._schema.version != schemas.SCHEMA_VERSION or not isinstance(payload, bytes) or not payload:
-            return data, None
-        # The payload is the chunk's last field, and only the envelope's key_id follows it.
-        at = len(data) - len(_optional_string(envelope.key_id)) - len(payload)
-        edge = min(64, len(payload))
-        if at < HEADER_BYTES or data[at:at + edge] != payload[:edge] \
-                or data[at + len(payload) - edge:at + len(payload)] != payload[-edge:]:
-            return data, None  # not where the schema puts it: no hint, rather than a wrong one
-        return data, at
+        (``None`` for an event without one)."""
+        parts, at = self.in_parts(envelope)
+        return parts[0] if len(parts) == 1 else b"".join(parts), at
+
+    def in_parts(self, envelope: Envelope) -> tuple[tuple[bytes, ...], int | None]:
+        """The message as consecutive parts, and where its bulk field begins (``None``: one
+        part, no bulk field): for ``LogTransaction.append``.
+
+        A tensor chunk's message is ``(head, payload, tail)``, the payload the very bytes
+        object the codec made: a multi-MiB payload is then written out without first being
+        copied into one buffer (twice: Avro's output stream, then its value)."""
+        body = envelope.body
+        if self._schema.version != schemas.SCHEMA_VERSION or not isinstance(body, TensorDelta) \
+                or not body.payload:
+            return (self(envelope),), None
+        payload = body.payload
+        hollow = self(dataclasses.replace(envelope, body=dataclasses.replace(body, payload=b"")))
+        tail = _optional_string(envelope.key_id)
+        at = len(hollow) - len(tail) - 1  # the empty payload's length, a single 0
+        if not self._payload_is_last(envelope, body, hollow, at):
+            return (self(envelope),), None  # not where the schema puts it: no hint, rather than a wrong one
+        head = hollow[:at] + _varint(len(payload))
+        return (head, payload, tail), len(head)
+
+    def _payload_is_last(self, envelope: Envelope, body: TensorDelta, hollow: bytes, at: int) -> bool:
+        """Whether the payload's encoding sits at ``at`` of ``hollow`` (the message with an
+        empty payload), with only the envelope's key id after it: checked once for plaintext
+        and once for encrypted chunks, by encoding a one-byte payload and finding it there."""
+        kind = envelope.key_id is None
+        known = self._bulk_last.get(kind)
+        if known is None:
+            one = self(dataclasses.replace(envelope, body=dataclasses.replace(body, payload=b"\x01")))
+            known = at >= HEADER_BYTES and hollow[at] == 0 \
+                and one == hollow[:at] + b"\x02\x01" + hollow[at + 1:]
+            self._bulk_last[kind] = known
+        return known
 
 
 def _optional_string(value: str | None) -> bytes:

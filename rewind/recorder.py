@@ -661,7 +661,7 @@ class _Emitter:
                        f"{rec.writer_id}#{rec.session}", self._now, body)
         if self._keys is not None:
             env = crypto.encrypt_event(env, self._keys)
-        data, bulk_at = rec._serialize.with_bulk(env)
+        data, bulk_at = rec._serialize.in_parts(env)
         self._txn.append(shard, data, bulk_at=bulk_at)
         if shard != CONTROL:
             self.shard_counts[shard] += 1

@@ -41,8 +41,8 @@ def _append(log: EmbeddedLog, payloads: list[bytes], writer: str = "w") -> None:
     w = log.writer(writer)
     for p in payloads:
         with w.transaction() as txn:
-            data, bulk_at = serde.encode.with_bulk(_envelope(p))
-            txn.append(0, data, bulk_at=bulk_at)
+            parts, bulk_at = serde.encode.in_parts(_envelope(p))  # as the recorder appends
+            txn.append(0, parts, bulk_at=bulk_at)
             txn.append(CONTROL, b"small")
     w.close()
 
@@ -65,6 +65,26 @@ def test_the_bulk_offset_is_where_the_payload_is(key_id: str | None) -> None:
     data, at = serde.encode.with_bulk(_envelope(payload, key_id))
     assert at is not None and data[at:at + len(payload)] == payload
     assert serde.encode.with_bulk(Envelope("r", 1, 1, 1, -1, "w", 0, _envelope(b"").body))[1] is None
+    parts, at = serde.encode.in_parts(_envelope(payload, key_id))
+    assert b"".join(parts) == serde.encode(_envelope(payload, key_id)) == data
+    assert parts[1] is payload and at == len(parts[0])  # written as it is, never copied
+
+
+def test_a_message_in_parts_is_written_whole_through_short_writes(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pwritev`` may write less than asked: the rest of each part follows, in order."""
+    real = os.pwritev
+
+    def short(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return real(fd, [bytes(b"".join(buffers)[:7])], offset)
+
+    monkeypatch.setattr(segments.os, "pwritev", short)
+    parts = (b"head-bytes", _payload(3, 100), b"", b"tail")
+    appender = segments.Appender(tmp_path, 1 << 20)
+    name, pos = appender.append(None, 0, 0, parts, len(parts[0]))
+    appender.flush()
+    appender.close()
+    assert (tmp_path / name).read_bytes()[pos:] == b"".join(parts)
 
 
 def test_a_chunk_lives_in_a_segment_file_and_is_read_as_an_aligned_view(tmp_path: Path) -> None:

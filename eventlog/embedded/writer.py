@@ -14,7 +14,7 @@ from pathlib import Path
 from eventlog import segments
 from eventlog.embedded.db import Database
 from eventlog.errors import ConfigError, EventLogError, FencedError
-from eventlog.ports import LogTransaction, LogWriter
+from eventlog.ports import LogTransaction, LogWriter, MessageBytes, joined, message_size
 from eventlog.settings import current
 
 
@@ -28,7 +28,7 @@ class EmbeddedTransaction(LogTransaction):
         self._appender: segments.Appender | None = None
         self._segment: dict[int, str | None] = {}  # partition -> the segment file it appends to
 
-    def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
+    def append(self, partition: int, value: MessageBytes, *, bulk_at: int | None = None) -> None:
         nxt = self._next.get(partition)
         if nxt is None:
             row = self._conn.execute(
@@ -38,16 +38,16 @@ class EmbeddedTransaction(LogTransaction):
             if row is None:
                 raise EventLogError(f"run {self._run_id!r} has no partition {partition}")
             nxt = row[0]
-        if bulk_at is not None and len(value) >= current().embedded_segment_min_bytes \
+        if bulk_at is not None and message_size(value) >= current().embedded_segment_min_bytes \
                 and self._db.records_have_rowid():
             self._out_of_line(partition, nxt, value, bulk_at)
         else:
             self._conn.execute(
-                "INSERT INTO records VALUES (?,?,?,?)", (self._run_id, partition, nxt, value)
+                "INSERT INTO records VALUES (?,?,?,?)", (self._run_id, partition, nxt, joined(value))
             )
         self._next[partition] = nxt + 1
 
-    def _out_of_line(self, partition: int, offset: int, value: bytes, bulk_at: int) -> None:
+    def _out_of_line(self, partition: int, offset: int, value: MessageBytes, bulk_at: int) -> None:
         """The message in the partition's segment file; its row says where (and holds no bytes)."""
         run = self._run_id
         if self._appender is None:
@@ -62,7 +62,7 @@ class EmbeddedTransaction(LogTransaction):
         self._segment[partition] = name
         self._conn.execute("INSERT INTO records VALUES (?,?,?,?)", (run, partition, offset, b""))
         self._conn.execute("INSERT INTO extents VALUES (?,?,?,?,?,?,?)",
-                           (run, partition, offset, name, pos, len(value), bulk_at))
+                           (run, partition, offset, name, pos, message_size(value), bulk_at))
 
     def close(self) -> None:
         if self._appender is not None:

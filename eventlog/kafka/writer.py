@@ -33,7 +33,7 @@ from eventlog.kafka.config import (
     logger,
     producer_config,
 )
-from eventlog.ports import CONTROL, LogTransaction, LogWriter
+from eventlog.ports import CONTROL, LogTransaction, LogWriter, MessageBytes, joined
 
 #: One attempt of ``commit_transaction``; a commit that takes longer is logged and retried.
 COMMIT_ATTEMPT_S = 10.0
@@ -70,8 +70,8 @@ class KafkaTransaction(LogTransaction):
     def __init__(self, writer: KafkaWriter) -> None:
         self._writer = writer
 
-    def append(self, partition: int, value: bytes, *, bulk_at: int | None = None) -> None:
-        self._writer.produce(partition, value)  # a fetched message is one buffer: no views
+    def append(self, partition: int, value: MessageBytes, *, bulk_at: int | None = None) -> None:
+        self._writer.produce(partition, joined(value))  # a fetched message is one buffer: no views
 
 
 class KafkaWriter(LogWriter):
