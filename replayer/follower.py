@@ -38,6 +38,7 @@ from eventlog import (
     RunNotFoundError,
     Target,
     TruncatedHistoryError,
+    intraop,
     tensorcodec,
 )
 from eventlog.capture import check_model_fits
@@ -97,7 +98,8 @@ class Follower:
         self._poll_lock = threading.Lock()  # one poll at a time: polls mutate the staging state
         self._log = address.open_log()
         self._coord = address.open_coordinator()
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rewind-follower")
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rewind-follower",
+                                        initializer=intraop.serial_torch)
         self._idx: ControlIndex | None = None
         # Staging: the raw bits of every shard at ``_version`` (None: resync from scratch).
         self._shards: list[ShardState] | None = None

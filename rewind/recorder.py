@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from eventlog import crypto, serde, statecodec, tensorcodec
+from eventlog import crypto, intraop, serde, statecodec, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.backends import RunAddress
 from eventlog.capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
@@ -222,7 +222,8 @@ class Recorder:
         self._staging_slots = threading.Semaphore(max_inflight + 1)
         self._window = 2 * settings.resolved_codec_threads()  # encoded chunks held ahead of the writer
         self._jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=max_inflight)
-        self._pool = ThreadPoolExecutor(settings.resolved_codec_threads(), thread_name_prefix="rewind-codec")
+        self._pool = ThreadPoolExecutor(settings.resolved_codec_threads(), thread_name_prefix="rewind-codec",
+                                        initializer=intraop.serial_torch)
         self._failure: BaseException | None = None
         self._closed = False
         self._committer = threading.Thread(target=self._run, name="rewind-committer", daemon=True)
@@ -394,6 +395,7 @@ class Recorder:
 
     # ------------------------------------------------------------------ committer thread
     def _run(self) -> None:
+        intraop.serial_torch()
         while True:
             job = self._jobs.get()
             if job is None:

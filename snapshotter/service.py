@@ -26,6 +26,7 @@ from eventlog import (
     FencedError,
     RunAddress,
     RunNotFoundError,
+    intraop,
     serde,
 )
 from eventlog.events import Body, Envelope, RunStarted, SnapshotBegin, SnapshotEnd
@@ -396,6 +397,7 @@ def start_background(snapshotter: Snapshotter) -> tuple[threading.Thread, thread
     stop = threading.Event()
 
     def serve() -> None:
+        intraop.serial_torch()
         try:
             snapshotter.run(stop)
         finally:
@@ -439,6 +441,7 @@ class SnapshotterThread:
             self._thread.join()
 
     def _serve(self) -> None:
+        intraop.serial_torch()
         snap = self.snapshotter
         try:
             while not self._stop.is_set():
