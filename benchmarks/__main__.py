@@ -102,6 +102,8 @@ def table(results: dict[str, Any]) -> Table:
         t.add_row("", "worst of first 3 commits (allocate)",
                   fmt(r["rewind_allocating_commits_max"], "ms"), fmt(r["torch_save"], "ms"),
                   fmt(_div(r["rewind_allocating_commits_max"], r["torch_save"]), "x"), "", "")
+        t.add_row("", "training step: recording vs alone", fmt(r.get("train_step"), "ms"),
+                  fmt(r.get("train_step_alone"), "ms"), fmt(r.get("train_step_ratio"), "x", 2), "", "")
     if not skipped("commit_throughput_mb_s"):
         r = results["commit_throughput_mb_s"]
         t.add_row("commit_throughput_mb_s", "embedded vs save+fsync", fmt(r["embedded"], "MB/s"),

@@ -176,6 +176,9 @@ class Recording:
     save_s: list[float] = field(default_factory=list)
     fsync_s: list[float] = field(default_factory=list)
     memcpy_s: list[float] = field(default_factory=list)
+    #: A training step's wall time with no recorder open, and with one recording each step.
+    step_alone_s: list[float] = field(default_factory=list)
+    step_recording_s: list[float] = field(default_factory=list)
     snapshot_s: float | None = None
     snapshot_version: int | None = None
     #: The snapshotter process's peak resident memory above its own baseline.
@@ -195,7 +198,7 @@ def baselines(cfg: Config, work: Workload, path: Path, n: int, r: Recording) -> 
     with the baselines."""
     floor = MemcpyFloor(work)
     for _ in range(min(n, BASELINE_REPEATS)):
-        work.step()
+        r.step_alone_s.append(_timed_step(work))
         gc.collect()
         r.memcpy_s.append(floor())
         t0 = time.perf_counter()
@@ -229,7 +232,7 @@ def record(
             rec.restore()
         for i in range(versions + 1):
             if i:
-                work.step()
+                rec_out.step_recording_s.append(_timed_step(work))
             gc.collect()
             t0 = time.perf_counter()
             fut = rec.commit(work.steps_done, {"i": float(i)})
@@ -258,6 +261,13 @@ def record(
     return rec_out
 
 
+def _timed_step(work: Workload) -> float:
+    """Seconds of one training step (forward, backward, optimizer, scheduler)."""
+    t0 = time.perf_counter()
+    work.step()
+    return time.perf_counter() - t0
+
+
 def blocking_figures(r: Recording) -> dict[str, Any]:
     rewind = med(r.deltas(r.blocking))
     save = med(r.save_s)
@@ -272,8 +282,13 @@ def blocking_figures(r: Recording) -> dict[str, Any]:
         "memcpy": memcpy,
         "ratio_vs_torch_save": _ratio(rewind, save),
         "ratio_vs_memcpy": _ratio(rewind, memcpy),
+        # What the recorder's background work costs the training loop itself.
+        "train_step": med(r.step_recording_s),
+        "train_step_alone": med(r.step_alone_s),
+        "train_step_ratio": _ratio(med(r.step_recording_s), med(r.step_alone_s)),
         "versions": len(r.deltas(r.blocking)),
-        "samples": {"rewind": r.blocking, "torch_save": r.save_s, "memcpy": r.memcpy_s},
+        "samples": {"rewind": r.blocking, "torch_save": r.save_s, "memcpy": r.memcpy_s,
+                    "train_step": r.step_recording_s, "train_step_alone": r.step_alone_s},
     }
 
 

@@ -203,6 +203,8 @@ def table(results: dict[str, Any]) -> Table:
                                                                       lambda g: _x(g["value"])))
     row("  ms: commit() / memcpy / torch.save", "", lambda s: " / ".join(
         _ms(sc(s, "commit_blocking_s").get(k)) for k in ("rewind", "memcpy", "torch_save")))
+    row("  training step, recording vs alone", "",
+        lambda s: _x(sc(s, "commit_blocking_s").get("train_step_ratio")))
     row("durable throughput vs torch.save+fsync", f">= {THROUGHPUT_LIMIT}x",
         judged("throughput_vs_torch_save_fsync", lambda g: _x(g["value"])))
     row("  ms: durable commit / save+fsync", "", lambda s: " / ".join((
