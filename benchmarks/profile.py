@@ -46,10 +46,10 @@ import eventlog.fold.engine as fold_mod
 import eventlog.optimstep as optimstep_mod
 import eventlog.serde as serde_mod
 import eventlog.tensorcodec as tc
-import rewind.recorder as recorder_mod
 import snapshotter.store as store_mod
 from eventlog import RunAddress, Target
 from eventlog.events import Envelope, TensorDelta
+from eventlog.ports import message_size
 from rewind.recorder import Recorder
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
@@ -150,18 +150,18 @@ def show(console: Console, title: str, wall: float, raw_bytes: int, order: list[
 
 # ---------------------------------------------------------------------------- commit
 COMMIT_ORDER = [
-    "commit() [training thread]", "  capture (state_dict + msgpack)", "  copy-out (np.copyto)",
+    "commit() [training thread]", "  capture (state_dict + msgpack)",
     "_write [committer]", "  _encode (wall, parallel)", "    encode_chunk [codec threads]",
     "      array_equal", "      xor", "      compress (blosc2)", "      xxh3 digest",
     "  CAS version (sqlite txn)", "  allocate gsns (sqlite txn)",
-    "  avro serialize", "  sqlite INSERT (append)", "  sqlite COMMIT (+fsync, checkpoint)",
+    "  avro serialize", "  avro serialize (chunk heads)", "  sqlite INSERT (append)",
+    "  sqlite COMMIT (+fsync, checkpoint)",
 ]
 
 
 def install_commit_timers() -> None:
     wrap(Recorder, "commit", "commit() [training thread]")
     wrap(Recorder, "_capture", "  capture (state_dict + msgpack)")
-    wrap(recorder_mod.np, "copyto", "  copy-out (np.copyto)", lambda dst, src, **_: src.nbytes)
     wrap(Recorder, "_write", "_write [committer]")
     wrap(Recorder, "_encode", "  _encode (wall, parallel)")
     wrap(tc, "encode_chunk", "    encode_chunk [codec threads]", lambda new, *a, **k: new.nbytes)
@@ -170,8 +170,9 @@ def install_commit_timers() -> None:
     wrap(tc.np, "array_equal", "      array_equal", lambda a, b, *x, **k: a.nbytes)
     wrap(tc.np, "bitwise_xor", "      xor", lambda a, b, *x, **k: a.nbytes)
     wrap(serde_mod.EnvelopeSerializer, "__call__", "  avro serialize")
+    wrap(serde_mod.EnvelopeSerializer, "in_parts", "  avro serialize (chunk heads)")
     wrap(embedded_writer.EmbeddedTransaction, "append", "  sqlite INSERT (append)",
-         lambda self, p, v: len(v))
+         lambda self, p, v, **_: message_size(v))
     wrap_cm(embedded_writer.EmbeddedWriter, "transaction", "  sqlite COMMIT (+fsync, checkpoint)")
     wrap(embedded_mod.EmbeddedCoordinator, "compare_and_set_version", "  CAS version (sqlite txn)")
     wrap(embedded_mod.EmbeddedCoordinator, "allocate_gsns", "  allocate gsns (sqlite txn)")
