@@ -93,6 +93,9 @@ class _Job:
     steps: list[CapturedStep] = field(default_factory=list)
     #: Multi-rank: replicated tensors in ``staged`` (rank 0 writes them; the others hash them).
     replicated: frozenset[str] = frozenset()
+    #: The training thread's environment, taken until the run's first version is written
+    #: (its thread count is the training thread's, not the committer's).
+    environment: EnvironmentFingerprint | None = None
 
 
 class Recorder:
@@ -286,7 +289,9 @@ class Recorder:
                     del staged[name]
             job = _Job(step, {k: float(v) for k, v in (metrics or {}).items()}, base_version,
                        staged, layout, small, Future(), steps=self._steps.take() if self._steps else [],
-                       replicated=replicated)
+                       replicated=replicated,
+                       environment=(fingerprint.environment(EnvironmentFingerprint.START)
+                                    if self._version == 0 else None))
             self._jobs.put(job)
         except BaseException:
             self._staging_slots.release()  # no job will give it back
@@ -451,7 +456,7 @@ class Recorder:
                 REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes)
             control.append(layout)
             if version == 1:
-                control.append(fingerprint.environment(EnvironmentFingerprint.START))
+                control.append(job.environment or fingerprint.environment(EnvironmentFingerprint.START))
         for name, state in sorted(job.small.items()):
             if self._small.get(name) != state:
                 control.append(_KINDS.get(name, CustomState)(name, state))
