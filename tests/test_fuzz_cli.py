@@ -181,12 +181,18 @@ def _changed(address: RunAddress, recorded: Recorded, partition: int, offset: in
 def _replays(address: RunAddress, target: Target, seals: dict[int, CommitSealed]) -> bool:
     """Replay to ``target``: True if it rebuilt the recorded state, False if it raised a
     ``RewindError``; anything else fails the test."""
+    return _replay_error(address, target, seals) is None
+
+
+def _replay_error(address: RunAddress, target: Target, seals: dict[int, CommitSealed]) -> str | None:
+    """Replay to ``target``: None if it rebuilt the recorded state, else the ``RewindError``
+    it raised; anything else fails the test."""
     try:
         state, _ = replay(address, target)
-    except RewindError:
-        return False
+    except RewindError as exc:
+        return f"{type(exc).__name__}: {exc}"
     assert _matches(state, seals), f"replay to {target} returned a state that no seal recorded"
-    return True
+    return None
 
 
 @dataclass
@@ -237,9 +243,9 @@ def _case(recorded: Recorded, seed: int, base: Path) -> tuple[Outcome, RunAddres
         if damaged and kind != "snapshot":
             # Records differ where nothing checks them (a time stamp, a writer name): every
             # version must then still replay to its recorded state.
-            failed = [v for v in recorded.seals
-                      if not _replays(address, Target("version", v), recorded.seals)]
-            assert not failed, f"{label}: verify says ok, but versions {failed} do not replay"
+            failed = {v: err for v in recorded.seals
+                      if (err := _replay_error(address, Target("version", v), recorded.seals))}
+            assert not failed, f"{label}: verify says ok, but versions do not replay: {failed}"
         else:
             assert not damaged, f"{label}: a kept snapshot was damaged and verify says ok"
     else:
