@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -42,19 +43,19 @@ def _omp_set_num_threads() -> Callable[[int], Any] | None:
     """The OpenMP runtime's ``omp_set_num_threads`` that torch uses, or None."""
     if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
         return None
-    libraries: list[Any] = []
-    with contextlib.suppress(OSError):
-        libraries.append(ctypes.CDLL(None))  # torch loads its runtime into the global namespace
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:
             paths = {line.split()[-1] for line in maps if any(r in line for r in _RUNTIMES)}
     except OSError:
         paths = set()
-    for path in sorted(paths):
-        try:
+    # torch's own runtime first: another library may have loaded a second copy of one.
+    home = os.path.dirname(torch.__file__)
+    libraries: list[Any] = []
+    for path in sorted(paths, key=lambda p: not p.startswith(home)):
+        with contextlib.suppress(OSError):
             libraries.append(ctypes.CDLL(path))
-        except OSError:
-            continue
+    with contextlib.suppress(OSError):
+        libraries.append(ctypes.CDLL(None))  # where there is no /proc: the global namespace
     for lib in libraries:
         fn = getattr(lib, "omp_set_num_threads", None)
         if fn is not None:
