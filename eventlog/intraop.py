@@ -39,9 +39,15 @@ def serial_torch() -> None:
 
 
 @functools.cache
+def openmp_backend() -> bool:
+    """True when torch runs its intra-op parallelism on OpenMP (a team per calling thread)."""
+    return "parallel backend: OpenMP" in torch.__config__.parallel_info()
+
+
+@functools.cache
 def _omp_set_num_threads() -> Callable[[int], Any] | None:
     """The OpenMP runtime's ``omp_set_num_threads`` that torch uses, or None."""
-    if "parallel backend: OpenMP" not in torch.__config__.parallel_info():
+    if not openmp_backend():
         return None
     try:
         with open("/proc/self/maps", encoding="utf-8") as maps:

@@ -93,8 +93,8 @@ class _Job:
     steps: list[CapturedStep] = field(default_factory=list)
     #: Multi-rank: replicated tensors in ``staged`` (rank 0 writes them; the others hash them).
     replicated: frozenset[str] = frozenset()
-    #: The training thread's environment, taken until the run's first version is written
-    #: (its thread count is the training thread's, not the committer's).
+    #: The training thread's environment (its thread count is the training thread's, not
+    #: the committer's), taken while the run has no version: version 1 logs it.
     environment: EnvironmentFingerprint | None = None
 
 
@@ -455,8 +455,8 @@ class Recorder:
                 torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
                 REWIND_VERSION, SCHEMA_VERSION, self._chunk_bytes)
             control.append(layout)
-            if version == 1:
-                control.append(job.environment or fingerprint.environment(EnvironmentFingerprint.START))
+            if version == 1 and job.environment is not None:
+                control.append(job.environment)
         for name, state in sorted(job.small.items()):
             if self._small.get(name) != state:
                 control.append(_KINDS.get(name, CustomState)(name, state))

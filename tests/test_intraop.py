@@ -8,10 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
+
+from eventlog import intraop
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,8 +51,8 @@ print(extra, threads, torch.get_num_threads(), sum(e.startswith("predictive/") f
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads through /proc")
-@pytest.mark.skipif("parallel backend: OpenMP" not in torch.__config__.parallel_info()
-                    or torch.get_num_threads() < 2, reason="torch runs no OpenMP teams here")
+@pytest.mark.skipif(not intraop.openmp_backend() or torch.get_num_threads() < 2,
+                    reason="torch runs no OpenMP teams here")
 def test_recording_starts_no_thread_but_its_own(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("OMP_NUM_THREADS", None)
@@ -62,10 +65,6 @@ def test_recording_starts_no_thread_but_its_own(tmp_path: Path) -> None:
 
 
 def test_serial_torch_applies_to_the_calling_thread_alone() -> None:
-    import threading
-
-    from eventlog import intraop
-
     seen: list[int] = []
 
     def background() -> None:
@@ -76,6 +75,6 @@ def test_serial_torch_applies_to_the_calling_thread_alone() -> None:
     t = threading.Thread(target=background)
     t.start()
     t.join()
-    expected = 1 if "parallel backend: OpenMP" in torch.__config__.parallel_info() else before
+    expected = 1 if intraop.openmp_backend() else before
     assert seen == [expected]
     assert torch.get_num_threads() == before
