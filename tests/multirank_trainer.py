@@ -10,7 +10,9 @@ list of ``{"name", "nproc", "cfg"}``; it writes ``<jobs.json>.out``, each round'
 (``name``, ``round``, ``ok``, ``error``, ``seconds``). A rank still running ``hang_s``
 seconds (``cfg``, default 240) into its round writes every thread's stack to
 ``<out>/hang<k>-rank<r>.txt`` and exits 1, so a hang fails the test in bounded time and says
-where it was.
+where it was. On SIGUSR1 (the test's own timeout), each rank writes its stacks to the same
+file, and the launcher (with the elastic agent's threads) to ``hang-launcher.txt`` beside
+``<jobs.json>``.
 
 The trainer (``train(cfg)``): FSDP2 (``fully_shard`` over a CPU ``DeviceMesh``) or DDP,
 AdamW, a step scheduler, a per-rank sampler and the global RNGs, recorded with
@@ -228,6 +230,7 @@ def train(cfg: dict[str, Any]) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     hang = (out / f"hang{round_}-rank{rank}.txt").open("w")
     faulthandler.dump_traceback_later(float(cfg.get("hang_s", 240)), exit=True, file=hang)
+    faulthandler.register(signal.SIGUSR1, file=hang, all_threads=True)
     torch.set_num_threads(1)
     model: torch.nn.Module = tiny_model()
     torch.manual_seed(1234 + rank)
@@ -309,6 +312,9 @@ def _free_port() -> int:
 def run_jobs(path: Path) -> None:
     """Run every job of ``path`` in turn; write their outcomes to ``<path>.out``."""
     results = []
+    # The test sends SIGUSR1 to every process of the session when its time runs out.
+    stacks = path.with_name("hang-launcher.txt").open("w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     for job in json.loads(path.read_text()):
         Path(job["cfg"]["out"]).mkdir(parents=True, exist_ok=True)
         for round_ in range(len(job["cfg"].get("kills", ())) + 1):

@@ -18,11 +18,14 @@ launcher process (a module fixture) to keep the suite short:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -84,21 +87,43 @@ class Jobs:
         root = Path(__file__).resolve().parent.parent
         paths = (str(root), os.environ.get("PYTHONPATH"))
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+        # A session of its own: on a timeout, every process of it (launcher, agents, ranks) is
+        # asked for its threads' stacks, then killed.
+        launcher = subprocess.Popen([sys.executable, str(TRAINER), str(path)], env=env, text=True,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.root,
+                                    start_new_session=True)
         try:
-            done = subprocess.run([sys.executable, str(TRAINER), str(path)], env=env, capture_output=True,
-                                  text=True, timeout=timeout, cwd=self.root)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError(f"the jobs ran past {timeout:g} s\n{self.hangs()}\n"
-                                 f"{(exc.stderr or b'')[-3000:]!r}") from None
-        assert done.returncode == 0, done.stderr[-3000:]
+            _, stderr = launcher.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _, stderr = self._stop(launcher)
+            raise AssertionError(f"the jobs ran past {timeout:g} s; rounds so far: {self.so_far()}\n"
+                                 f"{self.hangs()}\n{stderr[-3000:]}") from None
+        assert launcher.returncode == 0, stderr[-3000:]
         assert not self.hangs(), self.hangs()
         for r in json.loads(path.with_name("jobs.json.out").read_text()):
             self.outcome.setdefault(r["name"], []).append(r)
 
+    def _stop(self, launcher: subprocess.Popen[str]) -> tuple[str, str]:
+        """Ask every process of the launcher's session for its stacks (SIGUSR1, see
+        ``multirank_trainer``), give them a moment to write them, then kill them all."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGUSR1)
+            time.sleep(3)
+            os.killpg(launcher.pid, signal.SIGKILL)
+        return launcher.communicate()
+
+    def so_far(self) -> str:
+        """Each finished round's job, number, outcome and seconds."""
+        out = self.root / "jobs.json.out"
+        if not out.exists():
+            return "none"
+        return ", ".join(f"{r['name']}#{r['round']} {'ok' if r['ok'] else 'failed'} {r['seconds']} s"
+                         for r in json.loads(out.read_text()))
+
     def hangs(self) -> str:
-        """The stacks of every rank that hung (see ``multirank_trainer``), file by file."""
-        return "\n".join(f"{p}:\n{p.read_text()[-4000:]}" for p in sorted(self.root.glob("*/hang*.txt"))
-                         if p.stat().st_size)
+        """The stacks of every process that hung (see ``multirank_trainer``), file by file."""
+        found = sorted([*self.root.glob("hang*.txt"), *self.root.glob("*/hang*.txt")])
+        return "\n".join(f"{p}:\n{p.read_text()[-4000:]}" for p in found if p.stat().st_size)
 
     def ok(self, name: str, why: str = "") -> None:
         """The job's last round ended well, and every round before it failed (its kill)."""
