@@ -391,23 +391,6 @@ class Snapshotter:
         self.release()
 
 
-def start_background(snapshotter: Snapshotter) -> tuple[threading.Thread, threading.Event]:
-    """Run a snapshotter in a daemon thread inside the trainer (embedded use); setting the
-    returned event stops it and releases its lease."""
-    stop = threading.Event()
-
-    def serve() -> None:
-        intraop.serial_torch()
-        try:
-            snapshotter.run(stop)
-        finally:
-            snapshotter.release()
-
-    thread = threading.Thread(target=serve, name="rewind-snapshotter", daemon=True)
-    thread.start()
-    return thread, stop
-
-
 class SnapshotterThread:
     """A snapshotter serving one run from a daemon thread of the trainer's own process.
 
