@@ -52,8 +52,8 @@ def _candidates() -> dict[str, Callable[[np.ndarray], bytes]]:
     z3 = zstandard.ZstdCompressor(level=3)
     def b2(codec: blosc2.Codec, level: int) -> Callable[[np.ndarray], bytes]:
         def run(a: np.ndarray) -> bytes:
-            return blosc2.compress2(a.tobytes(), typesize=a.itemsize, clevel=level, codec=codec,
-                                    filters=[blosc2.Filter.SHUFFLE], nthreads=1)
+            return bytes(blosc2.compress2(a.tobytes(), typesize=a.itemsize, clevel=level, codec=codec,
+                                          filters=[blosc2.Filter.SHUFFLE], nthreads=1))
         return run
     return {
         "numpy-shuffle+zstd-1": lambda a: z1.compress(_np_shuffle(a, a.itemsize)),

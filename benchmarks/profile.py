@@ -167,8 +167,8 @@ def install_commit_timers() -> None:
     wrap(tc, "encode_chunk", "    encode_chunk [codec threads]", lambda new, *a, **k: new.nbytes)
     wrap(tc, "_compress", "      compress (blosc2)", lambda d, *a, **k: d.nbytes)
     wrap(tc, "digest", "      xxh3 digest", lambda b, *a, **k: _nbytes(b))
-    wrap(tc.np, "array_equal", "      array_equal", lambda a, b, *x, **k: a.nbytes)
-    wrap(tc.np, "bitwise_xor", "      xor", lambda a, b, *x, **k: a.nbytes)
+    wrap(np, "array_equal", "      array_equal", lambda a, b, *x, **k: a.nbytes)
+    wrap(np, "bitwise_xor", "      xor", lambda a, b, *x, **k: a.nbytes)
     wrap(serde_mod.EnvelopeSerializer, "__call__", "  avro serialize")
     wrap(serde_mod.EnvelopeSerializer, "in_parts", "  avro serialize (chunk heads)")
     wrap(embedded_writer.EmbeddedTransaction, "append", "  sqlite INSERT (append)",
@@ -210,7 +210,7 @@ def install_replay_timers() -> None:
     wrap(serde_mod.EnvelopeDeserializer, "from_stream", "      avro decode + payload read (from_stream)",
          lambda self, s, n, *a: n)
     wrap(optimstep_mod, "run_step", "    optimizer steps (run_step)")
-    wrap(apply_mod.tensorcodec, "decode_chunk", "    apply (decode_chunk)",
+    wrap(tc, "decode_chunk", "    apply (decode_chunk)",
          lambda d, *a: d.byte_length)
     wrap(tc, "_decompress", "      decompress (blosc2)", lambda p, n, w, **k: n)
     wrap(tc, "digest", "      xxh3 digest", lambda b, *a, **k: _nbytes(b))

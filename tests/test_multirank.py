@@ -37,8 +37,9 @@ import torch
 import rewind
 from eventlog.backends import RunAddress
 from eventlog.events import SMALL_STATE_TYPES
-from eventlog.fold.engine import Target, events, index_control
+from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
+from eventlog.target import Target
 from replayer.export import export
 from replayer.follower import Follower
 from replayer.replay import replay
