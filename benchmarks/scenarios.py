@@ -850,6 +850,12 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                 "samples": {"fp32_encoded_bytes": rec.encoded, "fp32_raw_bytes": rec.raw},
             }
 
+    if emb is not None and not cfg.keep:
+        # Nothing later reads the recording's files: at 300M they are tens of GB, which the
+        # codec comparison's runs would otherwise need beside them.
+        shutil.rmtree(root / "embedded", ignore_errors=True)
+        (root / "checkpoint.pt").unlink(missing_ok=True)
+
     if "bytes_per_commit_ratio" in only:
         cfg.log(f"bf16: {cfg.bf16_warmup_steps} warm-up steps, v1 FULL + {cfg.bf16_versions} versions")
         wb = Workload.build(min(cfg.params, BF16_MAX_PARAMS), dtype=torch.bfloat16)
