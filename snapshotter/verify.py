@@ -15,9 +15,11 @@ record, with every check a replay makes:
   digests the recording predicted compared, then its residual chunks' digests on top;
 * every version's event count per shard against its seal (a missing record), and its
   small states' digest against its seal;
+* every seal against itself: its state digest must be the digest of its own shard and
+  small-state digests, which finds damage to any of them in a seal that still decodes
+  without hashing the state;
 * every shard's digest against the newest seal; ``deep`` checks it against the seal of
-  every version, which also finds a seal whose digests are damaged but still decode (it
-  costs hashing the whole state once per version).
+  every version (it costs hashing the whole state once per version).
 
 No cheaper pass finds a damaged payload of an XOR or predictive version: its XOR and
 residual chunks carry only the digest of the bits they produce, so checking one needs the
@@ -44,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eventlog import RewindError, RunAddress
+from eventlog.digests import state_digest
 from eventlog.errors import CorruptStoreError, DigestMismatchError, IntegrityError
 from eventlog.events import Envelope, OptimizerStep, Resumed, RunStarted
 from eventlog.fold.apply import APPLIED, ShardState
@@ -301,6 +304,9 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
         report.damage(DamagedRecord(v, CONTROL, None, log.record_file(CONTROL),
                                     f"version {v} has no seal, between sealed versions"))
     _scan_control(report, log)
+    bad_seals = _damaged_seals(log, idx)
+    for record in bad_seals:
+        report.damage(record)
     base = starts.first()
     if not starts.from_log_start and base is None:
         report.unreachable = versions
@@ -315,7 +321,9 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
                                     f"versions {', '.join(_ranges(below))} are sealed, but the log "
                                     f"no longer holds their records (it starts at {_base_name(base)})"))
     report.covered = (first, versions[-1])
-    checkpoints = [v for v in versions if v > since] if deep else [versions[-1]]
+    seals_bad = {r.version for r in bad_seals}
+    # A seal found damaged is not checked again against the state it cannot match.
+    checkpoints = [v for v in (versions if deep else versions[-1:]) if v > since and v not in seals_bad]
     shards = len(log.partitions()) - 1
     walks = [_walk_control(log, idx, starts, base)]
     with ThreadPoolExecutor(max(1, min(workers, shards))) as pool:
@@ -325,6 +333,7 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
         for record in walk.damaged:
             report.damage(record)
         bad |= walk.bad
+    bad |= {v for v in seals_bad if v is not None}
     report.unreachable = sorted(v for v in bad | set(below) if v in idx.seals)
     source = _base_name(base)
     checked = "every version's" if deep else "the newest version's"
@@ -336,6 +345,21 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
                                        f"versions {', '.join(_ranges(report.unreachable))}"))
     else:
         report.findings.append(Finding("log", OK, summary))
+
+
+def _damaged_seals(log: EventLog, idx: ControlIndex) -> list[DamagedRecord]:
+    """Seals whose state digest is not the digest of their own shard and small-state
+    digests: a replay to that version would fail its digest check."""
+    found = []
+    for version, info in sorted(idx.seals.items()):
+        seal = info.seal
+        own = state_digest(seal.shard_digests, seal.small_digest)
+        if own != seal.state_digest:
+            found.append(DamagedRecord(
+                version, CONTROL, info.offset, log.record_file(CONTROL, info.offset),
+                f"the seal of version {version} is damaged: it records state digest "
+                f"{seal.state_digest.hex()}, but its own shard and small-state digests make {own.hex()}"))
+    return found
 
 
 def _scan_control(report: VerifyReport, log: EventLog) -> None:

@@ -94,9 +94,10 @@ def test_a_damaged_record_below_the_oldest_snapshot_is_named(tmp_path: Path) -> 
     assert f"version 2, shard 0, offset {offset}" in done.stdout and str(where) in done.stdout
 
 
-def test_a_seal_damaged_in_its_digests_is_found_by_deep_only(tmp_path: Path) -> None:
-    """A seal whose shard digest changed but still decodes: only a replay to that very
-    version checks it, and so only ``deep`` does; the default pass checks the newest seal."""
+def test_a_seal_damaged_in_its_digests_is_found_by_every_pass(tmp_path: Path) -> None:
+    """A seal whose shard digest changed but still decodes: a replay to that very version
+    fails, and every pass of verify names the seal (its state digest is no longer the digest
+    of its own digests), the default one without hashing any state."""
     run = make_address("embedded", tmp_path)
     trainer = Trainer(run)
     trainer.train(4)
@@ -113,11 +114,14 @@ def test_a_seal_damaged_in_its_digests_is_found_by_deep_only(tmp_path: Path) -> 
                      (bytes(value).replace(digest, bytes(16)), *key))
     with pytest.raises(RewindError, match="shard 1 rebuilt to version 2"):
         replay(run, Target("version", 2))
-    assert verify_run(run).ok
-    report = verify_run(run, deep=True)
-    assert not report.ok and report.unreachable == [2]
-    [named] = report.damaged
-    assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset)
+    assert replay(run, Target("version", 3))[0].version == 3  # only version 2 is lost
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [2], report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset)
+        assert named.error.startswith("the seal of version 2 is damaged: it records state digest "
+                                      f"{seal.seal.state_digest.hex()}"), named.error
 
 
 def test_retention_is_reported_as_retention(run: RunAddress) -> None:
