@@ -2,12 +2,16 @@
 and a launcher that runs a list of jobs, one after the other, in one process.
 
 The launcher runs each job through ``torch.distributed.launcher.api.elastic_launch``, the
-launcher ``torchrun`` itself runs. Its workers are forked from the launcher, so they start
-without importing torch again. A job with ``kills`` runs in rounds: each kill ends a round,
-and the whole job is launched again (a fresh rendezvous, as a restarted torchrun job), up
-to a last round without a kill. ``python tests/multirank_trainer.py <jobs.json>``: a JSON
-list of ``{"name", "nproc", "cfg"}``; it writes ``<jobs.json>.out``, each round's outcome
-(``name``, ``round``, ``ok``, ``error``, ``seconds``). A rank still running ``hang_s``
+launcher ``torchrun`` itself runs. Its workers are forked from a fork server that imported
+torch and this module once, so they start without importing them again; not from the
+launcher itself, whose elastic agent runs threads (a child forked from a process with threads
+inherits the locks they held: one forked while another thread was resolving an address hung
+in ``getaddrinfo`` before it joined the process group). A job with ``kills`` runs in rounds:
+each kill ends a round, and the whole job is launched again (a fresh rendezvous, as a
+restarted torchrun job), up to a last round without a kill.
+``python tests/multirank_trainer.py <jobs.json>``: a JSON list of
+``{"name", "nproc", "cfg"}``; it writes ``<jobs.json>.out``, each round's outcome (``name``,
+``round``, ``ok``, ``error``, ``seconds``). A rank still running ``hang_s``
 seconds (``cfg``, default 240) into its round writes every thread's stack to
 ``<out>/hang<k>-rank<r>.txt`` and exits 1, so a hang fails the test in bounded time and says
 where it was. On SIGUSR1 (the test's own timeout), each rank writes its stacks to the same
@@ -41,6 +45,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import multiprocessing
 import os
 import random
 import signal
@@ -226,11 +231,12 @@ def train(cfg: dict[str, Any]) -> None:
     out = Path(cfg["out"])
     round_ = int(cfg.get("round", 0))
     kill = cfg["kills"][round_] if round_ < len(cfg["kills"]) else ""
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    hang = (out / f"hang{round_}-rank{rank}.txt").open("w")
+    # Armed before the process group: a rank that never joins it is bounded and named too.
+    hang = (out / f"hang{round_}-rank{os.environ['RANK']}.txt").open("w")
     faulthandler.dump_traceback_later(float(cfg.get("hang_s", 240)), exit=True, file=hang)
     faulthandler.register(signal.SIGUSR1, file=hang, all_threads=True)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model: torch.nn.Module = tiny_model()
     torch.manual_seed(1234 + rank)
@@ -315,13 +321,17 @@ def run_jobs(path: Path) -> None:
     # The test sends SIGUSR1 to every process of the session when its time runs out.
     stacks = path.with_name("hang-launcher.txt").open("w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # Named, not left to the default ``__main__``: the fork server of Python 3.11 and 3.12
+    # looks for a preparation key that is never set, and would preload nothing. fully_shard
+    # imports torch._dynamo on its first call, in every rank of every round unless preloaded.
+    multiprocessing.set_forkserver_preload(["tests.multirank_trainer", "torch._dynamo"])
     for job in json.loads(path.read_text()):
         Path(job["cfg"]["out"]).mkdir(parents=True, exist_ok=True)
         for round_ in range(len(job["cfg"].get("kills", ())) + 1):
             config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=int(job["nproc"]),
                                   run_id=f"{job['name']}-{round_}", rdzv_backend="c10d",
                                   rdzv_endpoint=f"127.0.0.1:{_free_port()}", max_restarts=0,
-                                  monitor_interval=0.05, start_method="fork")
+                                  monitor_interval=0.05, start_method="forkserver")
             t0, error = time.perf_counter(), ""
             try:
                 elastic_launch(config, train)({**job["cfg"], "round": round_})
