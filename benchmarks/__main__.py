@@ -114,6 +114,11 @@ def table(results: dict[str, Any]) -> Table:
                       fmt(r["torch_save_fsync"], "MB/s"), fmt(r["ratio_kafka"], "x"), "", "")
         t.add_row("", "median durable commit", fmt(r["embedded_median_durable_s"], "s"), "", "",
                   "", "")
+        floor = r.get("write_floor")
+        if floor:
+            t.add_row("", "its bytes appended to a growing file (floor)", fmt(floor["append_s"], "s"),
+                      fmt(floor["rewrite_s"], "s"), fmt(floor["append_s"] / floor["rewrite_s"], "x"),
+                      "", "rewritten in a truncated file")
     if not skipped("bytes_per_commit_ratio"):
         r = results["bytes_per_commit_ratio"]
         t.add_row("bytes_per_commit_ratio", f"fp32 after {r.get('fp32_after_steps')} steps",

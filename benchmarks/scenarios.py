@@ -35,8 +35,10 @@ from typing import Any
 import torch
 
 from eventlog import RunAddress
+from eventlog.settings import current
 from rewind.recorder import Recorder
 
+from . import writefloor
 from .model import AdamScaling, BusScaling, MemcpyFloor, Workload, save_checkpoint
 
 MB = 1e6  # every MB/s figure is 10^6 bytes per second
@@ -789,6 +791,14 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         # puts on a 2 MiB boundary (eventlog/segments.py), which no block backs.
         files = [p for p in d.glob("rewind.db*") if p.is_file()] + list(d.glob("rewind.db.segments/*/*.seg"))
         meta["log_file_bytes"] = sum(p.stat().st_blocks * 512 for p in files)
+        write_floor = None
+        if "commit_throughput_mb_s" in only and rec.encoded[1:]:
+            # Beside the recording, on the same disk: its median version's bytes, in chunks.
+            write_floor = writefloor.measure(root, int(statistics.median(rec.encoded[1:])),
+                                             current().chunk_bytes, versions)
+            cfg.log(f"  write floor of {write_floor['bytes_per_version'] / MB:.0f} MB per version: "
+                    f"append {write_floor['append_s'] * 1e3:.1f} ms, "
+                    f"rewrite {write_floor['rewrite_s'] * 1e3:.1f} ms")
         # The checkpoint torch.load reads: the newest version's state, written in this run.
         rec.last_checkpoint = str(root / "checkpoint.pt")
         save_checkpoint(work, rec.last_checkpoint, fsync=True)
@@ -839,6 +849,9 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                 "kafka_full_commit_s": kafka.get("full_commit_s"),
                 "ratio_kafka": _ratio(kafka.get("mb_s"), save),
                 "versions": tp["versions"],
+                # The bare append of a version's bytes, and the same bytes rewritten into a
+                # truncated file as torch.save to one path does (benchmarks/writefloor.py).
+                "write_floor": write_floor,
                 "samples": {"embedded_durable_s": rec.durable, "raw_bytes": rec.raw,
                             "torch_save_fsync_s": rec.fsync_s},
             }

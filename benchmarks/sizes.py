@@ -210,6 +210,9 @@ def table(results: dict[str, Any]) -> Table:
     row("  ms: durable commit / save+fsync", "", lambda s: " / ".join((
         _ms(sc(s, "commit_throughput_mb_s").get("embedded_median_durable_s")),
         _ms(sc(s, "commit_blocking_s").get("torch_save_fsync")))))
+    row("  ms: its bytes appended / rewritten", "", lambda s: " / ".join(
+        _ms((sc(s, "commit_throughput_mb_s").get("write_floor") or {}).get(k))
+        for k in ("append_s", "rewrite_s")))
     if any(sc(s, "commit_throughput_mb_s").get("ratio_kafka") is not None for s in sizes.values()):
         row("  kafka durable vs torch.save+fsync", "",
             lambda s: _x(sc(s, "commit_throughput_mb_s").get("ratio_kafka")))
