@@ -29,7 +29,10 @@ on its own thread, and what it costs grows with the reachable history.
 
 A damaged record is named by version, shard (or control), offset and the file that holds
 it (segment file or database). The fold of its partition then goes on from the oldest
-kept snapshot past it; the versions in between are reported unreachable. Each snapshot
+kept snapshot past it; the versions in between are reported unreachable. An optimizer step
+that computes other digests than it recorded (its hyperparameters damaged, yet decoding) is
+named and folded on; once a seal's digests then fail to match, it breaks the fold the same
+way, so the versions past the next snapshot, which a replay reaches from it, stay reachable. Each snapshot
 the log announces is classified by the code recovery uses: valid, deleted by retention
 (its tombstone says so), orphan (no end marker) or damaged.
 
@@ -504,7 +507,9 @@ def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, s
     if broken is not None:
         # A step that predicted differently at or after the break ran on a state the missing
         # or damaged records had already changed: only the steps before it stay named.
-        late = {id(d) for d in steps if d.version is not None and d.version >= broken[0]}
+        # (The step that is the break itself stays named.)
+        late = {id(d) for d in steps if d.version is not None and d.version >= broken[0]
+                and (d.version, d.offset) != broken}
         walk.damaged[:] = [d for d in walk.damaged if id(d) not in late]
     return broken
 
@@ -578,14 +583,18 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
         seal = seals[target]
         layout = idx.layout_at(target, base_layout)
         mismatch = _digest_mismatch(state, layout, seal.seal.shard_digests, target)
+        if mismatch is not None and diverged:
+            # The step named since the last match left a state no seal after it holds: a
+            # replay through it fails, one from a snapshot past it need not. So it breaks
+            # the fold like a damaged record, which goes on from the snapshot past it.
+            return steps[-1].version or since, steps[-1].offset
         if mismatch is not None:
-            if not diverged:  # (else the step named since the last match explains it)
-                why = f"the seal of version {target} is damaged, or a record whose own checks passed"
-                walk.damaged.append(DamagedRecord(
-                    target, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
-                    f"{mismatch}: {why}"))
+            why = f"the seal of version {target} is damaged, or a record whose own checks passed"
+            walk.damaged.append(DamagedRecord(
+                target, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
+                f"{mismatch}: {why}"))
             walk.bad.add(target)  # the state is what the records say: later versions may match
-        diverged = diverged and mismatch is not None
+        diverged = False
         since = target
     return None
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sqlite3
+import struct
 import subprocess
 from pathlib import Path
 
@@ -174,3 +175,39 @@ def test_verify_of_a_truncated_log_starts_at_its_oldest_snapshot(run: RunAddress
     assert report.ok and report.covered == (9, 13), report.findings
     assert "folded from snapshot v0000000009" in report.findings[-1].detail
     trainer.rec.close()
+
+
+def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next_snapshot(
+        tmp_path: Path) -> None:
+    """An optimizer step whose hyperparameters changed but still decode: its own digest check
+    names it, every version from it to the snapshot past it fails to replay, and the versions
+    after that snapshot replay from it, so verify does not call them unreachable."""
+    run = dataclasses.replace(make_address("embedded", tmp_path),
+                              snapshots_url=f"file://{tmp_path / 'snapshots'}")
+    trainer = Trainer(run)
+    trainer.train(4)
+    with _snapshotter(run, retention=keep_last(1)) as snap:
+        assert snap.snapshot(force=True) is not None  # of version 4
+    trainer.train(2)
+    trainer.rec.close()
+    with run.open_log() as log:
+        offset = next(o for o, _, env in events(log, 0)
+                      if env.version == 2 and env.kind == "OptimizerStep")
+    lr = b"\xcb" + struct.pack(">d", 1e-2)  # msgpack's float64 of Adam's lr
+    with sqlite3.connect(tmp_path / "rewind.db") as conn:
+        key = (run.run_id, 0, offset)
+        (value,) = conn.execute("SELECT value FROM records WHERE run=? AND partition=? AND offset=?",
+                                key).fetchone()
+        assert bytes(value).count(lr) == 1
+        conn.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
+                     (bytes(value).replace(lr, b"\xcb" + struct.pack(">d", 2e-2)), *key))
+    for lost in (2, 3):
+        with pytest.raises(RewindError):
+            replay(run, Target("version", lost))
+    assert replay(run, Target())[0].version == 6  # from the snapshot of version 4
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [2, 3], report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (2, 0, offset)
+        assert "predicted" in named.error and "differently" in named.error, named.error
