@@ -792,9 +792,9 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         files = [p for p in d.glob("rewind.db*") if p.is_file()] + list(d.glob("rewind.db.segments/*/*.seg"))
         meta["log_file_bytes"] = sum(p.stat().st_blocks * 512 for p in files)
         write_floor = None
-        if "commit_throughput_mb_s" in only and rec.encoded[1:]:
+        if "commit_throughput_mb_s" in only and rec.deltas(rec.encoded):
             # Beside the recording, on the same disk: its median version's bytes, in chunks.
-            write_floor = writefloor.measure(root, int(statistics.median(rec.encoded[1:])),
+            write_floor = writefloor.measure(root, int(statistics.median(rec.deltas(rec.encoded))),
                                              current().chunk_bytes, versions)
             cfg.log(f"  write floor of {write_floor['bytes_per_version'] / MB:.0f} MB per version: "
                     f"append {write_floor['append_s'] * 1e3:.1f} ms, "

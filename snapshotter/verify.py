@@ -30,11 +30,11 @@ on its own thread, and what it costs grows with the reachable history.
 A damaged record is named by version, shard (or control), offset and the file that holds
 it (segment file or database). The fold of its partition then goes on from the oldest
 kept snapshot past it; the versions in between are reported unreachable. An optimizer step
-that computes other digests than it recorded (its hyperparameters damaged, yet decoding) is
-named and folded on; once a seal's digests then fail to match, it breaks the fold the same
-way, so the versions past the next snapshot, which a replay reaches from it, stay reachable. Each snapshot
-the log announces is classified by the code recovery uses: valid, deleted by retention
-(its tombstone says so), orphan (no end marker) or damaged.
+that computes other digests than it recorded (its hyperparameters damaged, yet decoding)
+is named and folded on; once a seal's digests then fail to match, it breaks the fold the
+same way, so the versions past the next snapshot, which a replay reaches from it, stay
+reachable. Each snapshot the log announces is classified by the code recovery uses:
+valid, deleted by retention (its tombstone says so), orphan (no end marker) or damaged.
 
 Its length is the patrol's: the walk, the resumption past damage and the report are one
 job whose parts share the per-partition cursor state.
