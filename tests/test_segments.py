@@ -415,6 +415,52 @@ def test_a_bad_row_first_in_its_page_fails_at_once_and_decodes_nothing_after_it(
     log.close()
 
 
+def _index_entry(run: str, partition: int, offset: int, rowid: int) -> bytes:
+    """An index entry's bytes in the database file: a record of (run, partition, offset,
+    rowid), for a run id of a few characters and integers below 128."""
+    def serial(v: int) -> int:
+        return {0: 8, 1: 9}.get(v, 1)
+    values = [partition, offset, rowid]
+    header = bytes([2 + len(values), 13 + 2 * len(run), *map(serial, values)])
+    return header + run.encode() + bytes(v for v in values if v > 1)
+
+
+@pytest.mark.parametrize("table", ["records", "extents"])
+def test_an_index_entry_leading_to_another_records_row_is_named(tmp_path: Path, table: str) -> None:
+    """A damaged index entry that points at another record's row: SQLite takes the lookup's
+    offset from the index and the bytes from that row, which reads as an intact record in
+    the wrong place unless the reader checks whose row it is."""
+    db = tmp_path / "i.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    payloads = [_payload(i) for i in range(3)]
+    _append(log, payloads)
+    log.close()
+    with sqlite3.connect(db) as c:
+        rowid = {o: r for o, r in c.execute(f"SELECT offset, rowid FROM {table} WHERE partition=0")}
+        c.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    c.close()
+    data = bytearray(db.read_bytes())
+    entry = _index_entry("r", 0, 1, rowid[1])
+    assert data.count(entry) == 1
+    at = data.index(entry)
+    data[at:at + len(entry)] = _index_entry("r", 0, 1, rowid[2])  # offset 1 now leads to 2's row
+    db.write_bytes(bytes(data))
+
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    named = f"embedded database {db} is damaged: the {table} index leads run 'r' partition 0 offset 1 " \
+            f"to the row of run 'r' partition 0 offset 2"
+    with pytest.raises(CorruptStoreError, match=named):
+        log.read(0)
+    with pytest.raises(CorruptStoreError, match=named):
+        log.read_decoded(0, _decode, gt=0, lte=1)
+    scan = log.scan_decoded(0, _decode, batch=16)
+    assert bytes(next(scan).value.body.payload) == payloads[0]  # reached before the damage
+    with pytest.raises(CorruptStoreError, match=named):
+        next(scan)
+    log.close()
+
+
 def test_a_rolled_back_transaction_leaves_bytes_that_no_reader_sees(tmp_path: Path) -> None:
     """Bytes of a transaction that raised are in the file but in no row, also after a reopen."""
     db = tmp_path / "a.db"

@@ -236,14 +236,15 @@ class RunReader:
             conn.execute("BEGIN")
         try:
             rows = conn.execute(
-                "SELECT r.rowid, r.offset, e.file, e.pos, e.length, e.bulk FROM records r "
+                "SELECT r.rowid, r.offset, e.file, e.pos, e.length, e.bulk, e.rowid FROM records r "
                 "LEFT JOIN extents e ON e.run=r.run AND e.partition=r.partition AND e.offset=r.offset "
                 "WHERE r.run=? AND r.partition=? AND r.offset>? AND r.offset<=? ORDER BY r.offset LIMIT ?",
                 self._range(partition, gt, lte, limit),
             ).fetchall()
             out = []
             low = -1 if gt is None else gt
-            for rowid, o, file, pos, length, bulk in rows:
+            misled = self._misled(conn, partition, rows)
+            for rowid, o, file, pos, length, bulk, _ in rows:
                 if not low < int(o) <= (1 << 62 if lte is None else lte):
                     # Only a damaged index returns a row outside the range it was asked for.
                     raise CorruptStoreError(f"embedded database {self._db.path} is damaged: run "
@@ -251,6 +252,8 @@ class RunReader:
                                             f"after {low}")
                 view, blob = None, None
                 try:  # (opening only: an error from ``each`` is never deferred)
+                    if int(o) in misled:
+                        raise misled[int(o)]
                     if file is not None:
                         view = self._segment_view(partition, int(o), str(file), int(pos), int(length))
                     else:
@@ -274,6 +277,32 @@ class RunReader:
                 conn.execute("ROLLBACK")
             raise
         return out
+
+    def _misled(self, conn: sqlite3.Connection, partition: int,
+                rows: list[Any]) -> dict[int, CorruptStoreError]:
+        """The offsets among ``rows`` (from ``_stored``'s lookup) whose index entry leads to
+        another record's row. SQLite answers such a lookup with the key from the index and
+        the other columns from the row its entry points at, so a damaged entry would hand
+        one record's bytes or extent to another offset, intact and silently; the rows
+        themselves, read by rowid, say whose they are."""
+        misled: dict[int, CorruptStoreError] = {}
+        for table, wanted in (("records", [(int(r[0]), int(r[1])) for r in rows]),
+                              ("extents", [(int(r[6]), int(r[1])) for r in rows if r[6] is not None])):
+            if not wanted:
+                continue
+            marks = ",".join("?" * len(wanted))
+            found = {int(rowid): (run, part, at) for rowid, run, part, at in conn.execute(
+                f"SELECT rowid, run, partition, offset FROM {table} WHERE rowid IN ({marks})",
+                [rowid for rowid, _ in wanted])}
+            for rowid, offset in wanted:
+                row = found.get(rowid)
+                if row != (self.run_id, partition, offset):
+                    whose = "no row" if row is None else \
+                        f"the row of run {row[0]!r} partition {row[1]} offset {row[2]}"
+                    misled.setdefault(offset, CorruptStoreError(
+                        f"embedded database {self._db.path} is damaged: the {table} index leads "
+                        f"run {self.run_id!r} partition {partition} offset {offset} to {whose}"))
+        return misled
 
     def _segment_view(self, partition: int, offset: int, name: str, pos: int, length: int) -> memoryview:
         """A record's bytes in its segment file. A file that is gone was deleted by a
