@@ -52,7 +52,7 @@ from eventlog import RewindError, RunAddress
 from eventlog.digests import state_digest
 from eventlog.errors import CorruptStoreError, DigestMismatchError, IntegrityError
 from eventlog.events import Envelope, OptimizerStep, Resumed, RunStarted
-from eventlog.fold.apply import APPLIED, ShardState
+from eventlog.fold.apply import APPLIED, Placement, ShardState
 from eventlog.fold.engine import (
     ControlIndex,
     FoldStart,
@@ -521,6 +521,7 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
     shard, seals, newest = state.shard, idx.seals, max(idx.seals)
     sealed = set(seals)
     records = _Records(log, shard, gt)
+    placement = Placement(lambda v: idx.layout_at(v, base_layout), shard)
     diverged = False  # a step predicted differently since the last checkpoint that matched
     settle = current().settle_s
 
@@ -552,7 +553,7 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 break
             where = f"run {log.run_id!r} shard {shard} offset {offset} (version {env.version})"
             try:
-                state.apply(env, sealed, nbytes, where)
+                state.apply(env, sealed, nbytes, where, placement=placement)
             except DigestMismatchError as exc:
                 if not isinstance(env.body, OptimizerStep):
                     raise

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import sqlite3
 import struct
 import subprocess
@@ -177,6 +178,29 @@ def test_verify_of_a_truncated_log_starts_at_its_oldest_snapshot(run: RunAddress
     trainer.rec.close()
 
 
+def _edit_record(run: RunAddress, db: Path, offset: int, old: bytes, new: bytes) -> None:
+    """Replace ``old`` (found once) by ``new`` of its length in shard 0's record at
+    ``offset``, in place, wherever the embedded log keeps it (SQLite or a segment file)."""
+    assert len(old) == len(new)
+    with sqlite3.connect(db) as conn:
+        key = (run.run_id, 0, offset)
+        (value,) = conn.execute("SELECT value FROM records WHERE run=? AND partition=? AND offset=?",
+                                key).fetchone()
+        extent = conn.execute("SELECT file, pos, length FROM extents WHERE run=? AND partition=? "
+                              "AND offset=?", key).fetchone()
+        if extent is None:
+            assert bytes(value).count(old) == 1
+            conn.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
+                         (bytes(value).replace(old, new), *key))
+    conn.close()
+    if extent is not None:
+        [segment] = Path(f"{db}.segments").rglob(extent[0])
+        data = bytearray(segment.read_bytes())
+        at = data.index(old, extent[1], extent[1] + extent[2])
+        data[at:at + len(old)] = new
+        segment.write_bytes(bytes(data))
+
+
 def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next_snapshot(
         tmp_path: Path) -> None:
     """An optimizer step whose hyperparameters changed but still decode: its own digest check
@@ -194,13 +218,7 @@ def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next
         offset = next(o for o, _, env in events(log, 0)
                       if env.version == 2 and env.kind == "OptimizerStep")
     lr = b"\xcb" + struct.pack(">d", 1e-2)  # msgpack's float64 of Adam's lr
-    with sqlite3.connect(tmp_path / "rewind.db") as conn:
-        key = (run.run_id, 0, offset)
-        (value,) = conn.execute("SELECT value FROM records WHERE run=? AND partition=? AND offset=?",
-                                key).fetchone()
-        assert bytes(value).count(lr) == 1
-        conn.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
-                     (bytes(value).replace(lr, b"\xcb" + struct.pack(">d", 2e-2)), *key))
+    _edit_record(run, tmp_path / "rewind.db", offset, lr, b"\xcb" + struct.pack(">d", 2e-2))
     for lost in (2, 3):
         with pytest.raises(RewindError):
             replay(run, Target("version", lost))
@@ -211,3 +229,35 @@ def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next
         [named] = report.damaged
         assert (named.version, named.partition, named.offset) == (2, 0, offset)
         assert "predicted" in named.error and "differently" in named.error, named.error
+
+
+def test_a_chunk_renamed_in_place_is_named_at_its_own_record(tmp_path: Path) -> None:
+    """A gradient chunk whose tensor name changed but still decodes: the layout places no such
+    tensor on its shard, so the chunk itself is named (not the step that would miss its
+    gradient), by replays and by verify; the versions past the next snapshot replay."""
+    run = dataclasses.replace(make_address("embedded", tmp_path),
+                              snapshots_url=f"file://{tmp_path / 'snapshots'}")
+    trainer = Trainer(run)
+    trainer.train(4)
+    with _snapshotter(run, retention=keep_last(1)) as snap:
+        assert snap.snapshot(force=True) is not None  # of version 4
+    trainer.train(2)
+    trainer.rec.close()
+    with run.open_log() as log:
+        offset, name = next((o, env.body.name) for o, _, env in events(log, 0)
+                            if env.version == 2 and env.kind == "TensorDelta"
+                            and env.body.encoding == "GRAD")
+    renamed = name[:-1] + "\x0b"
+    _edit_record(run, tmp_path / "rewind.db", offset, name.encode(), renamed.encode())
+    said = f"shard 0 offset {offset} (version 2): a chunk of tensor {renamed!r}, which the layout " \
+           "of version 2 does not place on shard 0"
+    for lost in (2, 3):
+        with pytest.raises(RewindError, match=re.escape(said)):
+            replay(run, Target("version", lost))
+    assert replay(run, Target())[0].version == 6  # from the snapshot of version 4
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [2, 3], report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (2, 0, offset)
+        assert said in named.error, named.error

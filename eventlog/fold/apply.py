@@ -8,15 +8,21 @@ replay target (otherwise it belongs to a version that does not exist).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Mapping, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from eventlog import optimstep, tensorcodec
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
-from eventlog.errors import BatchedStepsMismatchError, DigestMismatchError, IntegrityError, RewindError
-from eventlog.events import CommitSealed, Envelope, OptimizerStep, TensorDelta, TensorSpec
+from eventlog.errors import (
+    BatchedStepsMismatchError,
+    DigestMismatchError,
+    IntegrityError,
+    RewindError,
+    RunNotFoundError,
+)
+from eventlog.events import CommitSealed, Envelope, OptimizerStep, RunStarted, TensorDelta, TensorSpec
 from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.sharing import WorkBoard
 from eventlog.optimstep import check_lists, describe_failure, recorded_under, replaying_under
@@ -56,6 +62,29 @@ class ApplyCounts:
         )
 
 
+class Placement:
+    """Which tensors the layout in force at each version places on one shard. A chunk that
+    names any other is damage at its own record: a name changed in place would otherwise
+    gather into a tensor of its own, found only at a later step or seal."""
+
+    def __init__(self, layout_at: Callable[[int], RunStarted], shard: int) -> None:
+        self._layout_at, self._shard = layout_at, shard
+        self._names: dict[int, frozenset[str] | None] = {}  # version -> names (None: unknown)
+
+    def holds(self, version: int, name: str) -> bool:
+        """Whether ``name`` is a tensor of this shard at ``version`` (yes, where no layout
+        of it is at hand: a log truncated past its layouts, folded without a snapshot's)."""
+        if version not in self._names:
+            try:
+                layout: RunStarted | None = self._layout_at(version)
+            except RunNotFoundError:
+                layout = None
+            self._names[version] = None if layout is None else frozenset(
+                s.name for s in layout.tensors if s.shard == self._shard)
+        names = self._names[version]
+        return names is None or name in names
+
+
 @dataclass
 class TensorBits:
     """A tensor's raw bits as the fold rebuilds them."""
@@ -86,8 +115,9 @@ class ShardState:
     deferred: DeferredSteps = field(default_factory=DeferredSteps)
 
     def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str,
-              defer: bool = False) -> str:
-        """Apply one event under the exactly-once rule; returns its outcome.
+              defer: bool = False, placement: Placement | None = None) -> str:
+        """Apply one event under the exactly-once rule; returns its outcome. ``placement``:
+        the layouts' tensors of this shard, which every applied chunk must name.
 
         With ``defer``, optimizer steps and their gradients are queued and run together,
         tile by tile (``eventlog.fold.deferred``), when a non-gradient chunk arrives, the queue
@@ -103,6 +133,9 @@ class ShardState:
                 else:
                     self._apply_step(body, env.version, where)
             elif isinstance(body, TensorDelta):
+                if placement is not None and not placement.holds(env.version, body.name):
+                    raise IntegrityError(f"{where}: a chunk of tensor {body.name!r}, which the layout of "
+                                         f"version {env.version} does not place on shard {self.shard}")
                 if defer and body.encoding == TensorDelta.GRAD:
                     self.deferred.add_grad(body, where)
                 else:

@@ -27,7 +27,7 @@ from eventlog.errors import (
     WrongRunError,
 )
 from eventlog.events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
-from eventlog.fold.apply import APPLIED, ApplyCounts, ShardState, classify, verify_shard
+from eventlog.fold.apply import APPLIED, ApplyCounts, Placement, ShardState, classify, verify_shard
 from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.ports import CONTROL, EventLog, MessageStream
 from eventlog.settings import current
@@ -208,6 +208,7 @@ def fold_shard(
     defer_steps: bool | None = None,
     grad_digests: bool = True,
     board: WorkBoard | None = None,
+    base_layout: RunStarted | None = None,
 ) -> ShardState:
     """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.
 
@@ -221,7 +222,9 @@ def fold_shard(
     ``grad_digests=False`` leaves that batch's gradient digests to the seal check, for a
     caller that folds again with them on a mismatch (``replayer.replay``). ``board``: where
     the batch's tiles are posted for other workers of a parallel fold to share.
-    ``settle_s`` and ``defer_steps`` default to the settings' (``eventlog.settings``).
+    ``base_layout``: the layout of the snapshot ``state`` came from (for a log truncated
+    past its own layouts); each chunk must name a tensor its version's layout places on
+    the shard. ``settle_s`` and ``defer_steps`` default to the settings' (``eventlog.settings``).
     """
     t0 = time.perf_counter()
     settings = current()
@@ -231,7 +234,9 @@ def fold_shard(
     state.deferred.board = board
     try:
         try:
-            _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps)
+            placement = Placement(lambda v: idx.layout_at(v, base_layout), state.shard)
+            _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps,
+                     placement)
         except IntegrityError as exc:
             # A step without its params, a chunk without its base...: if retention deleted
             # records under this fold, that is the error to report.
@@ -249,7 +254,7 @@ def fold_shard(
 
 def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, gt: int | None,
              on_bytes: Callable[[int], None] | None, settle_s: float, since_version: int,
-             defer_steps: bool) -> None:
+             defer_steps: bool, placement: Placement) -> None:
     """``fold_shard``'s reading: apply the shard's events after offset ``gt`` up to
     ``version``, polling the end offset again while the seal counts more (see there)."""
     sealed = {v for v in idx.seals if v <= version}
@@ -264,7 +269,7 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
                 done = True  # one writer per partition: versions never go back after this
                 break
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
-            state.apply(env, sealed, nbytes, where, defer=defer_steps)
+            state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
             state.next_offset = offset + 1
             gt = offset
             if on_bytes is not None:
@@ -415,7 +420,7 @@ def rebuild(
         gt = start.next_offsets[shard + 1] - 1 if start else None
         fold_shard(log, state, idx, version, gt_offset=gt, on_bytes=on_bytes,
                    since_version=start.version if start else 0, defer_steps=defer_steps,
-                   grad_digests=grad_digests, board=board)
+                   grad_digests=grad_digests, board=board, base_layout=start.layout if start else None)
         state.conform(layout.tensors)
         verify_shard(state, version, info.seal, layout.tensors, layout.chunk_bytes, seals,
                      start.version if start else 0, board)
