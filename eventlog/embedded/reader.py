@@ -235,16 +235,19 @@ class RunReader:
         if own:
             conn.execute("BEGIN")
         try:
+            # The rows reached by rowid (rr, ee) say whose they are: see ``_misled``.
             rows = conn.execute(
-                "SELECT r.rowid, r.offset, e.file, e.pos, e.length, e.bulk, e.rowid FROM records r "
+                "SELECT r.rowid, r.offset, e.file, e.pos, e.length, e.bulk, e.rowid IS NOT NULL, "
+                "rr.run, rr.partition, rr.offset, ee.run, ee.partition, ee.offset FROM records r "
                 "LEFT JOIN extents e ON e.run=r.run AND e.partition=r.partition AND e.offset=r.offset "
+                "LEFT JOIN records rr ON rr.rowid=r.rowid LEFT JOIN extents ee ON ee.rowid=e.rowid "
                 "WHERE r.run=? AND r.partition=? AND r.offset>? AND r.offset<=? ORDER BY r.offset LIMIT ?",
                 self._range(partition, gt, lte, limit),
             ).fetchall()
             out = []
             low = -1 if gt is None else gt
-            misled = self._misled(conn, partition, rows)
-            for rowid, o, file, pos, length, bulk, _ in rows:
+            misled = self._misled(partition, rows)
+            for rowid, o, file, pos, length, bulk, *_ in rows:
                 if not low < int(o) <= (1 << 62 if lte is None else lte):
                     # Only a damaged index returns a row outside the range it was asked for.
                     raise CorruptStoreError(f"embedded database {self._db.path} is damaged: run "
@@ -278,30 +281,23 @@ class RunReader:
             raise
         return out
 
-    def _misled(self, conn: sqlite3.Connection, partition: int,
-                rows: list[Any]) -> dict[int, CorruptStoreError]:
+    def _misled(self, partition: int, rows: list[Any]) -> dict[int, CorruptStoreError]:
         """The offsets among ``rows`` (from ``_stored``'s lookup) whose index entry leads to
         another record's row. SQLite answers such a lookup with the key from the index and
         the other columns from the row its entry points at, so a damaged entry would hand
         one record's bytes or extent to another offset, intact and silently; the rows
-        themselves, read by rowid, say whose they are."""
+        themselves, joined again by rowid, say whose they are."""
         misled: dict[int, CorruptStoreError] = {}
-        for table, wanted in (("records", [(int(r[0]), int(r[1])) for r in rows]),
-                              ("extents", [(int(r[6]), int(r[1])) for r in rows if r[6] is not None])):
-            if not wanted:
-                continue
-            marks = ",".join("?" * len(wanted))
-            found = {int(rowid): (run, part, at) for rowid, run, part, at in conn.execute(
-                f"SELECT rowid, run, partition, offset FROM {table} WHERE rowid IN ({marks})",
-                [rowid for rowid, _ in wanted])}
-            for rowid, offset in wanted:
-                row = found.get(rowid)
-                if row != (self.run_id, partition, offset):
-                    whose = "no row" if row is None else \
-                        f"the row of run {row[0]!r} partition {row[1]} offset {row[2]}"
-                    misled.setdefault(offset, CorruptStoreError(
-                        f"embedded database {self._db.path} is damaged: the {table} index leads "
-                        f"run {self.run_id!r} partition {partition} offset {offset} to {whose}"))
+        for row in rows:
+            offset, want = int(row[1]), (self.run_id, partition, int(row[1]))
+            for table, found in (("records", tuple(row[7:10])), ("extents", tuple(row[10:13]))):
+                if table == "extents" and not row[6] or found == want:
+                    continue
+                whose = "no row" if found[0] is None else \
+                    f"the row of run {found[0]!r} partition {found[1]} offset {found[2]}"
+                misled.setdefault(offset, CorruptStoreError(
+                    f"embedded database {self._db.path} is damaged: the {table} index leads "
+                    f"run {self.run_id!r} partition {partition} offset {offset} to {whose}"))
         return misled
 
     def _segment_view(self, partition: int, offset: int, name: str, pos: int, length: int) -> memoryview:
