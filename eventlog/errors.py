@@ -35,6 +35,11 @@ class CorruptMessageError(DecodeError):
     """A message is damaged: bad magic, truncated body, or a digest that does not match."""
 
 
+class ChunkDigestError(CorruptMessageError):
+    """A tensor chunk's bits differ from the digest it records: its payload or that digest
+    is damaged (the seal's shard digests tell which)."""
+
+
 class UnknownSchemaError(DecodeError):
     """A message was written with a schema fingerprint this Rewind does not know."""
 

@@ -134,13 +134,19 @@ def replay(
                              "check from the same start matched the seal", log.run_id,
                              _source(start), exc)
     c = state.counts
+    digest = state.state_digest()
+    if digest != state.seal.seal.state_digest:
+        _log.warning("run %r: the seal of version %d records state digest %s, but the shard and "
+                     "small-state digests the state verified against make %s: the seal is damaged "
+                     "there (rewind verify names it)", state.run_id, state.version,
+                     state.seal.seal.state_digest.hex(), digest.hex())
     report = ReplayReport(
         run_id=state.run_id, target=str(target), version=state.version, step=state.step,
         applied=c.applied, skipped_by_snapshot=c.skipped_by_snapshot,
         skipped_duplicate=c.skipped_duplicate, skipped_unsealed=c.skipped_unsealed,
         bytes=c.bytes, seconds=time.perf_counter() - t0,
         per_shard={s: asdict(v) for s, v in state.per_shard.items()},
-        state_digest=state.seal.seal.state_digest.hex(),
+        state_digest=digest.hex(),
         snapshot=start.source if start else None,
         snapshot_version=start.version if start else 0,
         passed_over=passed,

@@ -59,7 +59,7 @@ def log_resume(writer: LogWriter, coord: Coordinator, run_id: str, writer_name: 
     """Log this process's environment and the proof of the resume ``state`` is (the version
     loaded, the state digest the replay checked against its seal, where it started);
     returns the last gsn used."""
-    proof = Resumed(state.version, state.step, state.seal.seal.state_digest, report.snapshot_id,
+    proof = Resumed(state.version, state.step, state.state_digest(), report.snapshot_id,
                     report.snapshot_version, report.tail_versions, state.counts.applied)
     return log_control(writer, coord, run_id, writer_name, state.version, state.step,
                        [environment(EnvironmentFingerprint.RESUME), proof])

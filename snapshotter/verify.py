@@ -50,8 +50,8 @@ from typing import Any
 
 from eventlog import RewindError, RunAddress
 from eventlog.digests import state_digest
-from eventlog.errors import CorruptStoreError, DigestMismatchError, IntegrityError
-from eventlog.events import Envelope, OptimizerStep, Resumed, RunStarted
+from eventlog.errors import ChunkDigestError, CorruptStoreError, DigestMismatchError, IntegrityError
+from eventlog.events import Envelope, OptimizerStep, Resumed, RunStarted, TensorDelta
 from eventlog.fold.apply import APPLIED, Placement, ShardState
 from eventlog.fold.engine import (
     ControlIndex,
@@ -324,9 +324,12 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
                                     f"versions {', '.join(_ranges(below))} are sealed, but the log "
                                     f"no longer holds their records (it starts at {_base_name(base)})"))
     report.covered = (first, versions[-1])
-    seals_bad = {r.version for r in bad_seals}
-    # A seal found damaged is not checked again against the state it cannot match.
-    checkpoints = [v for v in (versions if deep else versions[-1:]) if v > since and v not in seals_bad]
+    # A damaged seal's version is checked against its shard digests whatever the pass: a
+    # replay checks those and the small-state digest, not the sum of them, so the version
+    # is reachable when only that sum was damaged.
+    looked_at = set(versions if deep else versions[-1:]) | {r.version for r in bad_seals}
+    checkpoints = sorted(v for v in looked_at if v is not None and v > since)
+    named = {r.offset for r in bad_seals}
     shards = len(log.partitions()) - 1
     walks = [_walk_control(log, idx, starts, base)]
     with ThreadPoolExecutor(max(1, min(workers, shards))) as pool:
@@ -334,9 +337,9 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
     bad: set[int] = set()
     for walk in walks:
         for record in walk.damaged:
-            report.damage(record)
+            if record.partition != CONTROL or record.offset not in named:  # (named once)
+                report.damage(record)
         bad |= walk.bad
-    bad |= {v for v in seals_bad if v is not None}
     report.unreachable = sorted(v for v in bad | set(below) if v in idx.seals)
     source = _base_name(base)
     checked = "every version's" if deep else "the newest version's"
@@ -352,7 +355,7 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
 
 def _damaged_seals(log: EventLog, idx: ControlIndex) -> list[DamagedRecord]:
     """Seals whose state digest is not the digest of their own shard and small-state
-    digests: a replay to that version would fail its digest check."""
+    digests: which of them is damaged, the fold's checks at that version say."""
     found = []
     for version, info in sorted(idx.seals.items()):
         seal = info.seal
@@ -514,6 +517,14 @@ def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, s
     return broken
 
 
+def _left_to_the_seal(env: Envelope) -> bool:
+    """Whether a replay's batched fold leaves this record's own digest check to the seal:
+    an optimizer step's digests of what it predicted, a gradient chunk's digest."""
+    body = env.body
+    return isinstance(body, OptimizerStep) or (
+        isinstance(body, TensorDelta) and body.encoding == TensorDelta.GRAD)
+
+
 def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
                   base_layout: RunStarted | None, checkpoints: list[int], walk: _Walk,
                   steps: list[DamagedRecord]) -> tuple[int, int | None] | None:
@@ -553,21 +564,26 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 break
             where = f"run {log.run_id!r} shard {shard} offset {offset} (version {env.version})"
             try:
-                state.apply(env, sealed, nbytes, where, placement=placement)
-            except DigestMismatchError as exc:
-                if not isinstance(env.body, OptimizerStep):
-                    raise
-                # The step ran; only its check of the digests it predicted failed (a damaged
-                # name or digest in the record, or a step that diverged). A replay's batched
-                # steps skip that check: the residual chunks and the seal still check the
-                # state the step left, here as there. So it is named, and the fold goes on;
-                # the steps after it, until a checkpoint's digests match again, ran on the
-                # state it left and differ for that reason alone.
-                if not diverged:
-                    steps.append(record(env.version, offset, exc))
-                    walk.damaged.append(steps[-1])
-                diverged = True
-                _count_applied(state, env, nbytes)
+                try:
+                    state.apply(env, sealed, nbytes, where, placement=placement)
+                except (DigestMismatchError, ChunkDigestError) as exc:
+                    if not _left_to_the_seal(env):
+                        raise
+                    # Only a check that a replay's batched steps skip failed: a step's
+                    # digests of what it predicted, or a gradient chunk's digest (a damaged
+                    # name or digest in the record, damaged bits, or a step that diverged).
+                    # The residual chunks and the seal still check the state, here as there.
+                    # So it is named, and the fold goes on; the steps after it, until a
+                    # checkpoint's digests match again, ran on the state it left and differ
+                    # for that reason alone.
+                    if not diverged:
+                        steps.append(record(env.version, offset, exc))
+                        walk.damaged.append(steps[-1])
+                    diverged = True
+                    if isinstance(exc, ChunkDigestError):
+                        state.apply(env, sealed, nbytes, where, placement=placement, chunk_digests=False)
+                    else:
+                        _count_applied(state, env, nbytes)
             except RewindError as exc:
                 damaged(env.version, offset, exc)
                 short = _short_of(state, idx, since, env.version - 1)

@@ -96,34 +96,44 @@ def test_a_damaged_record_below_the_oldest_snapshot_is_named(tmp_path: Path) -> 
     assert f"version 2, shard 0, offset {offset}" in done.stdout and str(where) in done.stdout
 
 
-def test_a_seal_damaged_in_its_digests_is_found_by_every_pass(tmp_path: Path) -> None:
-    """A seal whose shard digest changed but still decodes: a replay to that very version
-    fails, and every pass of verify names the seal (its state digest is no longer the digest
-    of its own digests), the default one without hashing any state."""
+@pytest.mark.parametrize("field", ["shard digest", "state digest"])
+def test_a_seal_damaged_in_its_digests_is_found_by_every_pass(
+        tmp_path: Path, field: str, caplog: pytest.LogCaptureFixture) -> None:
+    """A seal whose shard digest or state digest changed but still decodes: every pass of
+    verify names the seal (its state digest is no longer the digest of its own digests).
+    A damaged shard digest loses that version (a replay to it fails); a damaged state
+    digest, the sum of the others, loses nothing: the replay's state verifies against the
+    others, it reports the true digest and warns, and verify calls nothing unreachable."""
     run = make_address("embedded", tmp_path)
     trainer = Trainer(run)
     trainer.train(4)
     trainer.rec.close()
     with run.open_log() as log:
         seal = index_control(log).seals[2]
+    digest = seal.seal.shard_digests[1] if field == "shard digest" else seal.seal.state_digest
     with sqlite3.connect(tmp_path / "rewind.db") as conn:
         key = (run.run_id, CONTROL, seal.offset)
         (value,) = conn.execute("SELECT value FROM records WHERE run=? AND partition=? AND offset=?",
                                 key).fetchone()
-        digest = seal.seal.shard_digests[1]
         assert bytes(value).count(digest) == 1
         conn.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
                      (bytes(value).replace(digest, bytes(16)), *key))
-    with pytest.raises(RewindError, match="shard 1 rebuilt to version 2"):
-        replay(run, Target("version", 2))
-    assert replay(run, Target("version", 3))[0].version == 3  # only version 2 is lost
+    lost = [2] if field == "shard digest" else []
+    if lost:
+        with pytest.raises(RewindError, match="shard 1 rebuilt to version 2"):
+            replay(run, Target("version", 2))
+    else:
+        assert replay(run, Target("version", 2))[1].state_digest == seal.seal.state_digest.hex()
+        assert f"the seal of version 2 records state digest {bytes(16).hex()}" in caplog.text
+    assert replay(run, Target("version", 3))[0].version == 3
     for deep in (False, True):
         report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == [2], report.findings
+        assert not report.ok and report.unreachable == lost, report.findings
         [named] = report.damaged
         assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset)
+        recorded = seal.seal.state_digest if lost else bytes(16)
         assert named.error.startswith("the seal of version 2 is damaged: it records state digest "
-                                      f"{seal.seal.state_digest.hex()}"), named.error
+                                      f"{recorded.hex()}"), named.error
 
 
 def test_retention_is_reported_as_retention(run: RunAddress) -> None:
@@ -261,3 +271,26 @@ def test_a_chunk_renamed_in_place_is_named_at_its_own_record(tmp_path: Path) -> 
         [named] = report.damaged
         assert (named.version, named.partition, named.offset) == (2, 0, offset)
         assert said in named.error, named.error
+
+
+def test_a_gradient_chunk_with_a_damaged_digest_is_named_and_loses_no_version(tmp_path: Path) -> None:
+    """A gradient chunk whose recorded digest changed, its bits intact: a replay's batched
+    steps leave that digest to the seal, so every version still replays; verify names the
+    chunk and, its bits confirmed by the seals after it, calls no version unreachable."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(4)
+    trainer.rec.close()
+    with run.open_log() as log:
+        offset, digest = next((o, env.body.digest) for o, _, env in events(log, 0)
+                              if env.version == 2 and env.kind == "TensorDelta"
+                              and env.body.encoding == "GRAD")
+    _edit_record(run, tmp_path / "rewind.db", offset, digest, bytes(len(digest)))
+    for version in range(1, 5):
+        assert replay(run, Target("version", version))[0].version == version
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [], report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (2, 0, offset)
+        assert named.error.startswith("ChunkDigestError:") and bytes(len(digest)).hex() in named.error

@@ -115,9 +115,11 @@ class ShardState:
     deferred: DeferredSteps = field(default_factory=DeferredSteps)
 
     def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str,
-              defer: bool = False, placement: Placement | None = None) -> str:
+              defer: bool = False, placement: Placement | None = None,
+              chunk_digests: bool = True) -> str:
         """Apply one event under the exactly-once rule; returns its outcome. ``placement``:
-        the layouts' tensors of this shard, which every applied chunk must name.
+        the layouts' tensors of this shard, which every applied chunk must name;
+        ``chunk_digests=False``: a chunk applied without its digest check (not deferred).
 
         With ``defer``, optimizer steps and their gradients are queued and run together,
         tile by tile (``eventlog.fold.deferred``), when a non-gradient chunk arrives, the queue
@@ -140,7 +142,7 @@ class ShardState:
                     self.deferred.add_grad(body, where)
                 else:
                     self.run_deferred()  # a residual or delta lands on the stepped bits
-                    self._apply_delta(body, where)
+                    self._apply_delta(body, where, chunk_digests)
             else:
                 raise IntegrityError(f"{where}: a {env.kind} event on tensor shard {self.shard}")
             self.applied_gsn = env.gsn
@@ -149,7 +151,7 @@ class ShardState:
         self.counts.add(outcome, nbytes)
         return outcome
 
-    def _apply_delta(self, delta: TensorDelta, where: str) -> None:
+    def _apply_delta(self, delta: TensorDelta, where: str, verify: bool = True) -> None:
         into = self.grads if delta.encoding == TensorDelta.GRAD else self.tensors
         buf = into.get(delta.name)
         shape = tuple(delta.shape)
@@ -163,7 +165,7 @@ class ShardState:
             tensorcodec.torch_dtype(delta.dtype, where)
             buf = TensorBits(delta.dtype, shape, np.zeros(n, dtype=np.uint8))
             into[delta.name] = buf
-        tensorcodec.decode_chunk(delta, buf.bits, where)
+        tensorcodec.decode_chunk(delta, buf.bits, where, verify=verify)
         if delta.encoding == TensorDelta.GRAD:
             count, seen = self.grad_chunks.setdefault(delta.name, (delta.chunk_count, set()))
             if count != delta.chunk_count:

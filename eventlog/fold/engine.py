@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from eventlog import crypto, serde
-from eventlog.digests import small_digest
+from eventlog.digests import small_digest, state_digest
 from eventlog.errors import (
     DigestMismatchError,
     IntegrityError,
@@ -349,6 +349,12 @@ class RebuiltState:
     def tensors(self) -> Mapping[str, object]:
         """Every tensor's rebuilt bits by name."""
         return {n: t for s in self.shards for n, t in s.tensors.items()}
+
+    def state_digest(self) -> bytes:
+        """The state's digest: that of the shard and small-state digests it was verified
+        against (the seal's own copy of it may be damaged where they are not)."""
+        seal = self.seal.seal
+        return state_digest(seal.shard_digests, seal.small_digest)
 
 
 def verify_small(small: SmallStates, seal: SealInfo) -> None:
