@@ -521,3 +521,20 @@ def test_errors_are_rewind_errors() -> None:
              CorruptStoreError, RunNotFoundError]
     assert all(issubclass(k, RewindError) for k in kinds)
     assert not issubclass(WrongRunError, DecodeError) and not issubclass(StateMismatchError, DecodeError)
+
+
+def test_a_schema_damaged_into_text_that_is_not_utf8_is_named(tmp_path: Path) -> None:
+    """A table's name in the database's schema damaged into bytes that are not UTF-8: SQLite
+    quotes them in its error, and the open names the damaged file instead of failing to
+    decode that message."""
+    run = record(tmp_path)
+    settle(run.db)
+    with sqlite3.connect(run.db) as c:
+        c.execute("PRAGMA writable_schema=ON")
+        c.execute("UPDATE sqlite_master SET name=CAST(X'76657273be6f6ed2' AS TEXT) WHERE name='versions'")
+    c.close()
+    said = f"embedded database {run.db} is damaged: malformed database schema (vers\ufffdon\ufffd)"
+    with pytest.raises(CorruptStoreError, match=re.escape(said)), open_log(run.url, run.run_id) as log:
+        rebuild(log)
+    with pytest.raises(CorruptStoreError, match=re.escape(said)):
+        list_runs(run.url)

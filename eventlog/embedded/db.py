@@ -86,6 +86,9 @@ class Database:
         except sqlite3.Error as exc:
             self.close()
             raise self.wrap(exc) from exc
+        except UnicodeDecodeError as exc:
+            self.close()
+            raise self.wrap(driver_error(exc)) from exc
         except BaseException:
             self.close()
             raise
@@ -133,6 +136,8 @@ class Database:
             c.execute("PRAGMA synchronous=FULL")
         except sqlite3.Error as exc:
             raise self.wrap(exc) from exc
+        except UnicodeDecodeError as exc:
+            raise self.wrap(driver_error(exc)) from exc
         return c
 
     def records_have_rowid(self) -> bool:
@@ -199,8 +204,16 @@ def wrapped(fn: Callable[P, R]) -> Callable[P, R]:
             return fn(*args, **kwargs)
         except sqlite3.Error as exc:
             raise args[0]._db.wrap(exc) from exc  # type: ignore[attr-defined]
+        except UnicodeDecodeError as exc:
+            raise args[0]._db.wrap(driver_error(exc)) from exc  # type: ignore[attr-defined]
 
     return run
+
+
+def driver_error(exc: UnicodeDecodeError) -> sqlite3.DatabaseError:
+    """SQLite's error whose message Python could not decode: it quotes bytes of a damaged
+    file (a table's name in a malformed schema, say)."""
+    return sqlite3.DatabaseError(bytes(exc.object).decode("utf-8", "replace"))
 
 
 def _journal_wal(c: sqlite3.Connection) -> None:
