@@ -25,6 +25,7 @@ from eventlog.errors import (
 from eventlog.events import CommitSealed, Envelope, OptimizerStep, RunStarted, TensorDelta, TensorSpec
 from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.sharing import WorkBoard
+from eventlog.layout import config_digest
 from eventlog.optimstep import check_lists, describe_failure, recorded_under, replaying_under
 from eventlog.settings import current
 
@@ -72,13 +73,17 @@ class Placement:
         self._names: dict[int, frozenset[str] | None] = {}  # version -> names (None: unknown)
 
     def holds(self, version: int, name: str) -> bool:
-        """Whether ``name`` is a tensor of this shard at ``version`` (yes, where no layout
-        of it is at hand: a log truncated past its layouts, folded without a snapshot's)."""
+        """Whether ``name`` is a tensor of this shard at ``version`` (yes, where no intact
+        layout of it is at hand: a log truncated past its layouts, folded without a
+        snapshot's, or a layout that fails its own digest)."""
         if version not in self._names:
             try:
                 layout: RunStarted | None = self._layout_at(version)
             except RunNotFoundError:
                 layout = None
+            if layout is not None and \
+                    config_digest(layout.tensors, layout.small_states) != layout.config_digest:
+                layout = None  # damaged itself: the chunks it would misplace are not to blame
             self._names[version] = None if layout is None else frozenset(
                 s.name for s in layout.tensors if s.shard == self._shard)
         names = self._names[version]
