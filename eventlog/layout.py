@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import xxhash
 
-from eventlog.events import TensorSpec
+from eventlog.events import RunStarted, TensorSpec
 from eventlog.tensorcodec import nbytes_of
 
 
@@ -48,6 +48,12 @@ def assign_shards(
         TensorSpec(name=n, dtype=tensors[n][0], shape=tuple(tensors[n][1]), shard=kept[n])
         for n in sorted(tensors)
     )
+
+
+def intact(layout: RunStarted) -> bool:
+    """Whether a layout record holds what its own config digest says (a damaged one would
+    place tensors where no chunk of theirs ever was)."""
+    return config_digest(layout.tensors, layout.small_states) == layout.config_digest
 
 
 def config_digest(specs: Sequence[TensorSpec], small_states: Sequence[str]) -> str:

@@ -50,7 +50,13 @@ from typing import Any
 
 from eventlog import RewindError, RunAddress
 from eventlog.digests import state_digest
-from eventlog.errors import ChunkDigestError, CorruptStoreError, DigestMismatchError, IntegrityError
+from eventlog.errors import (
+    ChunkDigestError,
+    CorruptStoreError,
+    DigestMismatchError,
+    IntegrityError,
+    RunNotFoundError,
+)
 from eventlog.events import Envelope, OptimizerStep, Resumed, RunStarted, TensorDelta
 from eventlog.fold.apply import APPLIED, Placement, ShardState
 from eventlog.fold.engine import (
@@ -62,6 +68,7 @@ from eventlog.fold.engine import (
     index_control,
     verify_small,
 )
+from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog
 from eventlog.settings import current
 from snapshotter.catalog import DELETED_BY_RETENTION, Marker, absence, load_start, markers, run_store
@@ -308,7 +315,8 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
                                     f"version {v} has no seal, between sealed versions"))
     _scan_control(report, log)
     bad_seals = _damaged_seals(log, idx)
-    for record in bad_seals:
+    bad_layouts, layout_lost = _damaged_layouts(log, idx)
+    for record in bad_seals + bad_layouts:
         report.damage(record)
     base = starts.first()
     if not starts.from_log_start and base is None:
@@ -328,7 +336,7 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
     # replay checks those and the small-state digest, not the sum of them, so the version
     # is reachable when only that sum was damaged.
     looked_at = set(versions if deep else versions[-1:]) | {r.version for r in bad_seals}
-    checkpoints = sorted(v for v in looked_at if v is not None and v > since)
+    checkpoints = sorted(v for v in looked_at - layout_lost if v is not None and v > since)
     named = {r.offset for r in bad_seals}
     shards = len(log.partitions()) - 1
     walks = [_walk_control(log, idx, starts, base)]
@@ -340,6 +348,7 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
             if record.partition != CONTROL or record.offset not in named:  # (named once)
                 report.damage(record)
         bad |= walk.bad
+    bad |= layout_lost
     report.unreachable = sorted(v for v in bad | set(below) if v in idx.seals)
     source = _base_name(base)
     checked = "every version's" if deep else "the newest version's"
@@ -366,6 +375,27 @@ def _damaged_seals(log: EventLog, idx: ControlIndex) -> list[DamagedRecord]:
                 f"the seal of version {version} is damaged: it records state digest "
                 f"{seal.state_digest.hex()}, but its own shard and small-state digests make {own.hex()}"))
     return found
+
+
+def _damaged_layouts(log: EventLog, idx: ControlIndex) -> tuple[list[DamagedRecord], set[int]]:
+    """Layout records that fail their own config digest, and the sealed versions one of them
+    is in force at: a replay to those refuses it."""
+    found = []
+    for offset, env in idx.run_started:
+        body = env.body
+        error = idx.damaged_layout(env.version, body) if isinstance(body, RunStarted) else None
+        if error is not None:
+            found.append(DamagedRecord(env.version, CONTROL, offset, log.record_file(CONTROL, offset),
+                                       f"{type(error).__name__}: {error}"))
+
+    def in_force(version: int) -> RunStarted | None:
+        try:
+            return idx.layout_at(version)
+        except RunNotFoundError:  # truncated past its layouts: a snapshot's is used
+            return None
+
+    lost = {v for v in idx.seals if (layout := in_force(v)) is not None and not intact(layout)}
+    return found, lost
 
 
 def _scan_control(report: VerifyReport, log: EventLog) -> None:

@@ -188,12 +188,13 @@ def test_verify_of_a_truncated_log_starts_at_its_oldest_snapshot(run: RunAddress
     trainer.rec.close()
 
 
-def _edit_record(run: RunAddress, db: Path, offset: int, old: bytes, new: bytes) -> None:
-    """Replace ``old`` (found once) by ``new`` of its length in shard 0's record at
-    ``offset``, in place, wherever the embedded log keeps it (SQLite or a segment file)."""
+def _edit_record(run: RunAddress, db: Path, offset: int, old: bytes, new: bytes,
+                 partition: int = 0) -> None:
+    """Replace ``old`` (found once) by ``new`` of its length in the record at ``offset`` of
+    ``partition``, in place, wherever the embedded log keeps it (SQLite or a segment file)."""
     assert len(old) == len(new)
     with sqlite3.connect(db) as conn:
-        key = (run.run_id, 0, offset)
+        key = (run.run_id, partition, offset)
         (value,) = conn.execute("SELECT value FROM records WHERE run=? AND partition=? AND offset=?",
                                 key).fetchone()
         extent = conn.execute("SELECT file, pos, length FROM extents WHERE run=? AND partition=? "
@@ -294,3 +295,28 @@ def test_a_gradient_chunk_with_a_damaged_digest_is_named_and_loses_no_version(tm
         [named] = report.damaged
         assert (named.version, named.partition, named.offset) == (2, 0, offset)
         assert named.error.startswith("ChunkDigestError:") and bytes(len(digest)).hex() in named.error
+
+
+def test_a_damaged_layout_is_named_and_no_version_under_it_is_called_reachable(tmp_path: Path) -> None:
+    """The run's layout record with a tensor's name changed in place: it no longer makes its
+    own config digest, so every replay under it refuses it, naming it, and verify names that
+    record and calls every version under it unreachable."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(3)
+    trainer.rec.close()
+    with run.open_log() as log:
+        [(offset, started)] = index_control(log).run_started
+    name = started.body.tensors[0].name
+    _edit_record(run, tmp_path / "rewind.db", offset, name.encode(), (name[:-1] + "\x13").encode(),
+                 partition=CONTROL)
+    said = f"the layout in force at version 2 (control offset {offset}) is damaged: its tensors and " \
+           f"small states do not make its own config digest {started.body.config_digest}"
+    with pytest.raises(RewindError, match=re.escape(said)):
+        replay(run, Target("version", 2))
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [1, 2, 3], report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (1, CONTROL, offset)
+        assert "the layout in force at version 1" in named.error, named.error

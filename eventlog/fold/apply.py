@@ -25,7 +25,7 @@ from eventlog.errors import (
 from eventlog.events import CommitSealed, Envelope, OptimizerStep, RunStarted, TensorDelta, TensorSpec
 from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.sharing import WorkBoard
-from eventlog.layout import config_digest
+from eventlog.layout import intact
 from eventlog.optimstep import check_lists, describe_failure, recorded_under, replaying_under
 from eventlog.settings import current
 
@@ -81,8 +81,7 @@ class Placement:
                 layout: RunStarted | None = self._layout_at(version)
             except RunNotFoundError:
                 layout = None
-            if layout is not None and \
-                    config_digest(layout.tensors, layout.small_states) != layout.config_digest:
+            if layout is not None and not intact(layout):
                 layout = None  # damaged itself: the chunks it would misplace are not to blame
             self._names[version] = None if layout is None else frozenset(
                 s.name for s in layout.tensors if s.shard == self._shard)

@@ -29,6 +29,7 @@ from eventlog.errors import (
 from eventlog.events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
 from eventlog.fold.apply import APPLIED, ApplyCounts, Placement, ShardState, classify, verify_shard
 from eventlog.fold.sharing import WorkBoard, map_shared
+from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog, MessageStream
 from eventlog.settings import current
 from eventlog.target import LATEST, Target
@@ -77,6 +78,16 @@ class ControlIndex:
             raise RunNotFoundError("the log has no RunStarted event")
         assert isinstance(chosen, RunStarted)
         return chosen
+
+    def damaged_layout(self, version: int, layout: RunStarted) -> IntegrityError | None:
+        """The error for ``layout`` (the one in force at ``version``) if it fails its own
+        config digest, naming its record."""
+        if intact(layout):
+            return None
+        at = next((f" (control offset {o})" for o, env in self.run_started if env.body is layout), "")
+        return IntegrityError(
+            f"the layout in force at version {version}{at} is damaged: its tensors and small "
+            f"states do not make its own config digest {layout.config_digest}")
 
     def resolve(self, target: Target) -> int:
         """The version a target names; a clear error if there is none."""
@@ -408,6 +419,8 @@ def rebuild(
     idx = idx or index_control(log)
     version = idx.resolve(target)
     layout = idx.layout_at(version, start.layout if start else None)
+    if (damaged := idx.damaged_layout(version, layout)) is not None:
+        raise IntegrityError(f"run {log.run_id!r}: {damaged}")
     if start is not None and start.version > version:
         raise TargetNotFoundError(f"{start.source} is newer than the target {target}")
     _check_reachable(log, layout.shard_count, start)
