@@ -560,7 +560,7 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                   steps: list[DamagedRecord]) -> tuple[int, int | None] | None:
     """``_fold``'s walk; each step it names for predicting differently also goes to ``steps``."""
     shard, seals, newest = state.shard, idx.seals, max(idx.seals)
-    sealed = set(seals)
+    sealed = {v: s.gsn for v, s in seals.items()}
     records = _Records(log, shard, gt)
     placement = Placement(lambda v: idx.layout_at(v, base_layout), shard)
     diverged = False  # a step predicted differently since the last checkpoint that matched

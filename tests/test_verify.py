@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eventlog import RewindError, RunAddress, Target
+from eventlog import RewindError, RunAddress, Target, serde
 from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
 from replayer.replay import replay
@@ -320,3 +320,33 @@ def test_a_damaged_layout_is_named_and_no_version_under_it_is_called_reachable(t
         [named] = report.damaged
         assert (named.version, named.partition, named.offset) == (1, CONTROL, offset)
         assert "the layout in force at version 1" in named.error, named.error
+
+
+def test_an_event_whose_gsn_passed_its_seal_is_named(tmp_path: Path) -> None:
+    """A gradient chunk whose gsn was damaged upward: it would make the events after it read
+    as duplicates (the count then falls short, naming no record). No event of a version
+    comes after its seal, so the chunk itself is named, by replays and by verify."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(4)
+    trainer.rec.close()
+    with run.open_log() as log:
+        seal_gsn = index_control(log).seals[2].gsn
+        offset, env = next((o, env) for o, _, env in events(log, 0)
+                           if env.version == 2 and env.kind == "TensorDelta")
+        [record] = log.read(0, gt=offset - 1, lte=offset)
+    damaged = serde.encode.with_bulk(dataclasses.replace(env, gsn=seal_gsn + 1))[0]
+    assert len(damaged) == len(record.value)
+    span = [i for i, (a, b) in enumerate(zip(record.value, damaged, strict=True)) if a != b]
+    start, end = span[0], span[-1] + 1
+    _edit_record(run, tmp_path / "rewind.db", offset, record.value[start - 8:end], damaged[start - 8:end])
+    said = f"shard 0 offset {offset} (version 2): gsn {seal_gsn + 1} is past the seal of its version " \
+           f"(gsn {seal_gsn})"
+    with pytest.raises(RewindError, match=re.escape(said)):
+        replay(run, Target("version", 2))
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [2, 3, 4], report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (2, 0, offset)
+        assert said in named.error, named.error

@@ -121,7 +121,10 @@ class ShardState:
     def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str,
               defer: bool = False, placement: Placement | None = None,
               chunk_digests: bool = True) -> str:
-        """Apply one event under the exactly-once rule; returns its outcome. ``placement``:
+        """Apply one event under the exactly-once rule; returns its outcome. ``sealed``: the
+        sealed versions, or a map of them to their seals' gsns, which no applied event of
+        theirs may pass (a damaged gsn would otherwise skip the events after it as
+        duplicates). ``placement``:
         the layouts' tensors of this shard, which every applied chunk must name;
         ``chunk_digests=False``: a chunk applied without its digest check (not deferred).
 
@@ -132,6 +135,9 @@ class ShardState:
         """
         outcome = classify(env, self.applied_gsn, self.snapshot_gsn, sealed)
         if outcome == APPLIED:
+            if isinstance(sealed, Mapping) and env.gsn > sealed[env.version]:
+                raise IntegrityError(f"{where}: gsn {env.gsn} is past the seal of its version "
+                                     f"(gsn {sealed[env.version]}), which every event of it precedes")
             body = env.body
             if isinstance(body, OptimizerStep):
                 if defer:

@@ -268,7 +268,7 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
              defer_steps: bool, placement: Placement) -> None:
     """``fold_shard``'s reading: apply the shard's events after offset ``gt`` up to
     ``version``, polling the end offset again while the seal counts more (see there)."""
-    sealed = {v for v in idx.seals if v <= version}
+    sealed = {v: s.gsn for v, s in idx.seals.items() if v <= version}
     deadline: float | None = None
     afresh = False
     while True:
