@@ -138,6 +138,9 @@ class EnvelopeDeserializer:
             raise CorruptMessageError(
                 f"{where}: {size - stream.tell()} trailing bytes after the Avro body"
             )
+        if envelope.version < 0 or envelope.gsn < 0:  # counted from 0: only damage makes these
+            raise CorruptMessageError(f"{where}: version {envelope.version}, gsn {envelope.gsn}: "
+                                      "neither is ever negative")
         return envelope
 
 

@@ -71,6 +71,7 @@ class Placement:
     def __init__(self, layout_at: Callable[[int], RunStarted], shard: int) -> None:
         self._layout_at, self._shard = layout_at, shard
         self._names: dict[int, frozenset[str] | None] = {}  # version -> names (None: unknown)
+        self._of_layout: dict[int, tuple[RunStarted, frozenset[str] | None]] = {}  # id -> names
 
     def holds(self, version: int, name: str) -> bool:
         """Whether ``name`` is a tensor of this shard at ``version`` (yes, where no intact
@@ -81,12 +82,17 @@ class Placement:
                 layout: RunStarted | None = self._layout_at(version)
             except RunNotFoundError:
                 layout = None
-            if layout is not None and not intact(layout):
-                layout = None  # damaged itself: the chunks it would misplace are not to blame
-            self._names[version] = None if layout is None else frozenset(
-                s.name for s in layout.tensors if s.shard == self._shard)
+            self._names[version] = None if layout is None else self._names_of(layout)
         names = self._names[version]
         return names is None or name in names
+
+    def _names_of(self, layout: RunStarted) -> frozenset[str] | None:
+        known = self._of_layout.get(id(layout))
+        if known is None or known[0] is not layout:
+            names = frozenset(s.name for s in layout.tensors if s.shard == self._shard) \
+                if intact(layout) else None  # damaged itself: the chunks are not to blame
+            known = self._of_layout[id(layout)] = (layout, names)
+        return known[1]
 
 
 @dataclass
