@@ -66,6 +66,7 @@ from eventlog.fold.engine import (
     events,
     fold_control,
     index_control,
+    stray_version,
     verify_small,
 )
 from eventlog.layout import intact
@@ -620,6 +621,10 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 return (env.version if short is None else short), offset
             records.take()
         short = _short_of(state, idx, since, target)
+        stray = None if short is None or rec is None else stray_version(log, idx, shard, rec[0], rec[2])
+        if short is not None and stray is not None and rec is not None:
+            damaged(short, rec[0], stray)  # (the events it cut off are the short version's)
+            return short, rec[0]
         if short is not None:
             want = seals[short].seal.shard_counts[shard]
             walk.damaged.append(DamagedRecord(

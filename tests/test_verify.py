@@ -322,13 +322,14 @@ def test_a_damaged_layout_is_named_and_no_version_under_it_is_called_reachable(t
         assert "the layout in force at version 1" in named.error, named.error
 
 
-@pytest.mark.parametrize("field", ["gsn", "version"])
+@pytest.mark.parametrize("field", ["gsn", "version", "version up"])
 def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field: str) -> None:
-    """A gradient chunk whose gsn was damaged upward, or its version to a negative one: it
-    would make the events after it read as duplicates, or be skipped as unsealed (the count
-    then falls short, or the step misses its gradient, naming another record). No event of
-    a version comes after its seal, and no version or gsn is negative, so the chunk itself
-    is named, by replays and by verify."""
+    """A gradient chunk whose gsn was damaged upward, or its version to a negative one or to
+    one that does not exist: it would make the events after it read as duplicates, be
+    skipped as unsealed, or end its version's events early (the count then falls short,
+    or the step misses its gradient, naming another record or none). No event of a version
+    comes after its seal, no version or gsn is negative, and no version past the next one
+    has events, so the chunk itself is named, by replays and by verify."""
     run = make_address("embedded", tmp_path)
     trainer = Trainer(run)
     trainer.train(4)
@@ -338,17 +339,19 @@ def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field
         offset, env = next((o, env) for o, _, env in events(log, 0)
                            if env.version == 2 and env.kind == "TensorDelta")
         [record] = log.read(0, gt=offset - 1, lte=offset)
-    change = {"gsn": seal_gsn + 1} if field == "gsn" else {"version": -1}
+    change = {"gsn": {"gsn": seal_gsn + 1}, "version": {"version": -1},
+              "version up": {"version": 60}}[field]
     damaged = serde.encode.with_bulk(dataclasses.replace(env, **change))[0]
     assert len(damaged) == len(record.value)
     span = [i for i, (a, b) in enumerate(zip(record.value, damaged, strict=True)) if a != b]
     start, end = span[0], span[-1] + 1
     _edit_record(run, tmp_path / "rewind.db", offset, record.value[start - 8:end], damaged[start - 8:end])
-    said = f"shard 0 offset {offset}" + (" (version 2): " if field == "gsn" else ": ") + (
-        f"gsn {seal_gsn + 1} is past the seal of its version (gsn {seal_gsn})" if field == "gsn"
-        else "version -1, gsn")
+    said = f"shard 0 offset {offset}" + {
+        "gsn": f" (version 2): gsn {seal_gsn + 1} is past the seal of its version (gsn {seal_gsn})",
+        "version": ": version -1, gsn",
+        "version up": ": the fold stopped at an event of version 60, which has no seal"}[field]
     # (A replay to version 1 reads the record too, to see that version 1 ended before it.)
-    lost = [2, 3, 4] if field == "gsn" else [1, 2, 3, 4]
+    lost = [1, 2, 3, 4] if field == "version" else [2, 3, 4]
     for version in lost[:2]:
         with pytest.raises(RewindError, match=re.escape(said)):
             replay(run, Target("version", version))

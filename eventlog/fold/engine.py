@@ -246,8 +246,8 @@ def fold_shard(
     try:
         try:
             placement = Placement(lambda v: idx.layout_at(v, base_layout), state.shard)
-            _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version, defer_steps,
-                     placement)
+            past = _read_to(log, state, idx, version, gt_offset, on_bytes, settle_s, since_version,
+                            defer_steps, placement)
         except IntegrityError as exc:
             # A step without its params, a chunk without its base...: if retention deleted
             # records under this fold, that is the error to report.
@@ -255,6 +255,8 @@ def fold_shard(
             raise
         if version > since_version and _short(state, idx, version):
             _fail_if_truncated_under(log, state.shard, gt_offset, version)
+            if past is not None and (stray := stray_version(log, idx, state.shard, *past)) is not None:
+                raise stray
         state.run_deferred()
     finally:
         state.deferred.check_grads = True  # a later fold of this state checks unless told
@@ -265,9 +267,10 @@ def fold_shard(
 
 def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, gt: int | None,
              on_bytes: Callable[[int], None] | None, settle_s: float, since_version: int,
-             defer_steps: bool, placement: Placement) -> None:
+             defer_steps: bool, placement: Placement) -> tuple[int, Envelope] | None:
     """``fold_shard``'s reading: apply the shard's events after offset ``gt`` up to
-    ``version``, polling the end offset again while the seal counts more (see there)."""
+    ``version``, polling the end offset again while the seal counts more (see there).
+    Returns the first event past ``version`` and its offset, where it stopped at one."""
     sealed = {v: s.gsn for v, s in idx.seals.items() if v <= version}
     deadline: float | None = None
     afresh = False
@@ -275,9 +278,11 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
         end = log.end_offset(state.shard) - 1
         done = False
         start_gt = gt
+        past = None
         for offset, nbytes, env in events(log, state.shard, gt=gt, lte=end):
             if env.version > version:
                 done = True  # one writer per partition: versions never go back after this
+                past = offset, env
                 break
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
             state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
@@ -286,7 +291,7 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
             if on_bytes is not None:
                 on_bytes(nbytes)
         if done or version <= since_version or not _short(state, idx, version):
-            return
+            return past
         now = time.monotonic()
         if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
             deadline = now + settle_s
@@ -304,8 +309,28 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
                 afresh, deadline = True, None
                 continue
             _log.warning("%s", said)  # the seal check will fail: what the fold saw, for debugging
-            return
+            return None
         time.sleep(0.02)
+
+
+def stray_version(log: EventLog, idx: ControlIndex, partition: int, offset: int,
+                  env: Envelope) -> IntegrityError | None:
+    """Where a fold that came up short stopped at ``env``, the first event past its target:
+    an error naming it if its version is none that exists, neither sealed nor the next to
+    be (the control partition read again first, for a log that is still being written).
+    Its version is damaged then, and the events it cut off are the target's."""
+    def exists(index: ControlIndex) -> bool:
+        return env.version in index.seals or env.version <= index.latest_version() + 1
+
+    if exists(idx):
+        return None
+    fresh = index_control(log)
+    if exists(fresh):
+        return None
+    return IntegrityError(
+        f"run {log.run_id!r} shard {partition} offset {offset}: the fold stopped at an event of "
+        f"version {env.version}, which has no seal and no commit could have written yet (the "
+        f"newest version is {fresh.latest_version()}): its version is damaged")
 
 
 def _fail_if_truncated_under(log: EventLog, partition: int, gt_offset: int | None, version: int,
