@@ -434,6 +434,10 @@ def _walk_control(log: EventLog, idx: ControlIndex, starts: _Starts, base: Marke
     return walk
 
 
+class MissingRecordsError(IntegrityError):
+    """Records a log with dense offsets should hold are not found (no read failed)."""
+
+
 class _Records:
     """A partition's records after an offset, with a look at the next one before it is taken.
 
@@ -470,9 +474,9 @@ class _Records:
             if found > want:
                 # A damaged index can hide records from a scan without any error.
                 self._next, self.failed_at = None, want
-                raise IntegrityError(f"run {self.log.run_id!r} partition {self.partition}: records at "
-                                     f"offsets {want}..{found - 1} are missing (the partition ends at "
-                                     f"{self._end})")
+                raise MissingRecordsError(f"run {self.log.run_id!r} partition {self.partition}: records at "
+                                      f"offsets {want}..{found - 1} are missing (the partition ends at "
+                                      f"{self._end})")
         return self._next
 
     def _single(self) -> tuple[int, int, Envelope] | None:
@@ -584,6 +588,10 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 # a fold reads the first record past its target to see where it stops.
                 first = records.last_version if records.last_version is not None else since
                 damaged(_short_of(state, idx, since, newest), offset, exc)
+                if isinstance(exc, MissingRecordsError) and _short_of(state, idx, since, first) is None:
+                    # Nothing failed to read: a replay to the last version read whole meets
+                    # the record after the gap, or none, and stops there.
+                    first += 1
                 return max(first, since), offset
             if rec is None:
                 if target == newest and _short_of(state, idx, since, newest) is not None \

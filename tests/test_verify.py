@@ -361,3 +361,27 @@ def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field
         [named] = report.damaged
         assert (named.partition, named.offset) == (0, offset)
         assert said in named.error, named.error
+
+
+def test_records_missing_at_the_end_lose_no_version_that_replays(tmp_path: Path) -> None:
+    """The last version's records gone from the database's index (its seal with them), the
+    partitions still ending past them: verify names the gap in each partition, and calls no
+    version unreachable, since a replay to the newest version left meets no record past it."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(4)
+    trainer.rec.close()
+    with run.open_log() as log:
+        gone = {p: min(o for o, _, env in events(log, p) if env.version == 4) for p in (CONTROL, 0)}
+    with sqlite3.connect(tmp_path / "rewind.db") as conn:
+        for table in ("records", "extents"):
+            for p, first in gone.items():
+                conn.execute(f"DELETE FROM {table} WHERE run=? AND partition=? AND offset>=?",
+                             (run.run_id, p, first))
+    conn.close()
+    assert replay(run, Target())[0].version == 3
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [], report.findings
+        assert sorted((d.partition, d.offset) for d in report.damaged) == sorted(gone.items())
+        assert all("are missing" in d.error for d in report.damaged), report.damaged
