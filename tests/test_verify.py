@@ -212,11 +212,8 @@ def _edit_record(run: RunAddress, db: Path, offset: int, old: bytes, new: bytes,
         segment.write_bytes(bytes(data))
 
 
-def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next_snapshot(
-        tmp_path: Path) -> None:
-    """An optimizer step whose hyperparameters changed but still decode: its own digest check
-    names it, every version from it to the snapshot past it fails to replay, and the versions
-    after that snapshot replay from it, so verify does not call them unreachable."""
+def _six_versions_with_a_snapshot_of_4(tmp_path: Path) -> RunAddress:
+    """An embedded run of versions 1..6 with one snapshot, of version 4; the trainer closed."""
     run = dataclasses.replace(make_address("embedded", tmp_path),
                               snapshots_url=f"file://{tmp_path / 'snapshots'}")
     trainer = Trainer(run)
@@ -225,6 +222,15 @@ def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next
         assert snap.snapshot(force=True) is not None  # of version 4
     trainer.train(2)
     trainer.rec.close()
+    return run
+
+
+def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next_snapshot(
+        tmp_path: Path) -> None:
+    """An optimizer step whose hyperparameters changed but still decode: its own digest check
+    names it, every version from it to the snapshot past it fails to replay, and the versions
+    after that snapshot replay from it, so verify does not call them unreachable."""
+    run = _six_versions_with_a_snapshot_of_4(tmp_path)
     with run.open_log() as log:
         offset = next(o for o, _, env in events(log, 0)
                       if env.version == 2 and env.kind == "OptimizerStep")
@@ -246,14 +252,7 @@ def test_a_chunk_renamed_in_place_is_named_at_its_own_record(tmp_path: Path) -> 
     """A gradient chunk whose tensor name changed but still decodes: the layout places no such
     tensor on its shard, so the chunk itself is named (not the step that would miss its
     gradient), by replays and by verify; the versions past the next snapshot replay."""
-    run = dataclasses.replace(make_address("embedded", tmp_path),
-                              snapshots_url=f"file://{tmp_path / 'snapshots'}")
-    trainer = Trainer(run)
-    trainer.train(4)
-    with _snapshotter(run, retention=keep_last(1)) as snap:
-        assert snap.snapshot(force=True) is not None  # of version 4
-    trainer.train(2)
-    trainer.rec.close()
+    run = _six_versions_with_a_snapshot_of_4(tmp_path)
     with run.open_log() as log:
         offset, name = next((o, env.body.name) for o, _, env in events(log, 0)
                             if env.version == 2 and env.kind == "TensorDelta"
