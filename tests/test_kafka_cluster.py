@@ -242,18 +242,21 @@ def _gone(*pids: int) -> None:
     counts a node whose process still runs ``kafka.Kafka`` as up and waits for it in vain."""
     deadline = time.monotonic() + 120
     while True:
-        alive = [pid for pid in pids if "kafka.Kafka" in _cmdline(pid)]
+        alive = [pid for pid in pids if _is_broker(pid)]
         if not alive:
             return
         assert time.monotonic() < deadline, f"killed brokers still running after 120 s: {alive}"
         time.sleep(0.05)
 
 
-def _cmdline(pid: int) -> str:
+def _is_broker(pid: int) -> bool:
+    """``pid`` is a process (not another's thread: ``/proc`` answers for those too) running Kafka."""
     try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+        status = Path(f"/proc/{pid}/status").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
-        return ""
+        return False
+    return f"\nTgid:\t{pid}\n" in status and "kafka.Kafka" in cmdline
 
 
 def _start(node: int | None = None) -> subprocess.Popen[str]:
