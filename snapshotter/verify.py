@@ -53,6 +53,7 @@ from eventlog.digests import state_digest
 from eventlog.errors import (
     ChunkDigestError,
     CorruptStoreError,
+    DecodeError,
     DigestMismatchError,
     IntegrityError,
     RunNotFoundError,
@@ -283,6 +284,11 @@ class _Starts:
                 return m
         return None
 
+    def before(self, version: int) -> Marker | None:
+        """The newest snapshot at or before ``version``: where a replay to it starts."""
+        at = [m for m in self.snapshots if m.version <= version]
+        return at[-1] if at else None
+
     def load(self, marker: Marker) -> FoldStart:
         """The snapshot's state (each partition's fold takes its own part of it)."""
         assert self._store is not None
@@ -414,24 +420,74 @@ def _base_name(base: Marker | None) -> str:
 
 def _walk_control(log: EventLog, idx: ControlIndex, starts: _Starts, base: Marker | None) -> _Walk:
     """Fold the small states version by version, each checked against its seal (records
-    that do not decode were found by ``index_control`` already)."""
+    that do not decode were found by ``index_control`` already); after a version whose
+    control records cannot be read, on from the oldest snapshot past it."""
     walk = _Walk()
-    small = starts.load(base).small if base is not None else SmallStates()
-    since = base.version if base is not None else 0
-    for v in sorted(x for x in idx.seals if x > since):
-        seal = idx.seals[v]
-        fold_control(log, idx, v, small, small.next_offset - 1 if small.next_offset else None)
-        try:
-            verify_small(small, seal)
-        except DigestMismatchError as exc:
-            walk.bad.add(v)
-            if v - 1 not in walk.bad:  # one damaged state fails every version until replaced
-                walk.damaged.append(DamagedRecord(
-                    v, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
-                    f"{exc}: the seal of version {v}, or a small-state record of it or before it, "
-                    "is damaged"))
-    walk.applied = small.counts.applied
-    return walk
+    versions = sorted(idx.seals)
+    point: Marker | None = base
+    while True:
+        small = _small_at(starts, point)
+        since = point.version if point is not None else 0
+        lost = None
+        for v in (x for x in versions if x > since):
+            folded = _fold_small(log, idx, starts, v, small, walk)
+            if folded is None:
+                lost = v
+                break
+            small = folded
+            try:
+                verify_small(small, idx.seals[v])
+            except DigestMismatchError as exc:
+                walk.bad.add(v)
+                if v - 1 not in walk.bad:  # one damaged state fails every version until replaced
+                    seal = idx.seals[v]
+                    walk.damaged.append(DamagedRecord(
+                        v, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
+                        f"{exc}: the seal of version {v}, or a small-state record of it or before it, "
+                        "is damaged"))
+        walk.applied += small.counts.applied
+        if lost is None:
+            return walk
+        point = starts.after(CONTROL, lost, idx.seals[lost].offset)
+        resume = point.version if point is not None else versions[-1] + 1
+        walk.bad.update(v for v in versions if lost <= v < resume)
+        if point is None:
+            return walk
+
+
+def _small_at(starts: _Starts, point: Marker | None) -> SmallStates:
+    """A copy of the small states at a snapshot (the start of the log for ``None``), to fold on."""
+    if point is None:
+        return SmallStates()
+    small = starts.load(point).small
+    return SmallStates(dict(small.states), dict(small.kinds), small.applied_gsn,
+                       next_offset=small.next_offset)
+
+
+def _fold_small(log: EventLog, idx: ControlIndex, starts: _Starts, version: int, small: SmallStates,
+                walk: _Walk) -> SmallStates | None:
+    """``small`` folded on to ``version``; ``None`` if the store cannot read its records.
+
+    A damaged database can fail one query and answer another (SQLite meets a damaged index
+    page on some query paths only), so a failed read is named and then tried again the way a
+    replay to ``version`` reads: from the newest snapshot at or before it, or the log's start."""
+    gt = small.next_offset - 1 if small.next_offset else None
+    try:
+        return fold_control(log, idx, version, small, gt)
+    except (CorruptStoreError, DecodeError) as exc:
+        offset = gt + 1 if gt is not None else log.start_offset(CONTROL)
+        walk.damaged.append(DamagedRecord(
+            version, CONTROL, offset, log.record_file(CONTROL, offset),
+            f"{type(exc).__name__}: {exc} (reading control offsets {offset}..{idx.seals[version].offset}, "
+            f"the records of version {version})"))
+    point = starts.before(version)
+    if point is None and not starts.from_log_start:
+        return None
+    again = _small_at(starts, point)
+    try:
+        return fold_control(log, idx, version, again, again.next_offset - 1 if again.next_offset else None)
+    except (CorruptStoreError, DecodeError):
+        return None
 
 
 class MissingRecordsError(IntegrityError):

@@ -13,10 +13,13 @@ import sqlite3
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from eventlog import RewindError, RunAddress, Target, serde
+from eventlog.errors import CorruptStoreError
+from eventlog.fold import engine
 from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
 from replayer.replay import replay
@@ -384,3 +387,39 @@ def test_records_missing_at_the_end_lose_no_version_that_replays(tmp_path: Path)
         assert not report.ok and report.unreachable == [], report.findings
         assert sorted((d.partition, d.offset) for d in report.damaged) == sorted(gone.items())
         assert all("are missing" in d.error for d in report.damaged), report.damaged
+
+
+@pytest.mark.parametrize("path", ["one query", "every query"])
+def test_control_records_the_store_fails_to_read_are_named_and_lose_only_what_replays_lose(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """A damaged database page can fail the read of version 3's control records on one query
+    path only (verify's, from version 2's seal), or on every path (every read ending at version
+    3's seal). Verify names the failed read in both; it calls version 3 unreachable only when
+    a replay to it fails too, and the versions from the snapshot of 4 on stay reachable."""
+    run = _six_versions_with_a_snapshot_of_4(tmp_path)
+    with run.open_log() as log:
+        seals = index_control(log).seals
+    after_2, at_3 = seals[2].offset, seals[3].offset
+    real = engine.events
+
+    def failing(log: Any, partition: int, *, gt: int | None = None, lte: int | None = None) -> Any:
+        if partition == CONTROL and (gt == after_2 if path == "one query" else lte == at_3):
+            raise CorruptStoreError(f"embedded database {tmp_path / 'rewind.db'} is damaged: "
+                                    "database disk image is malformed")
+        return real(log, partition, gt=gt, lte=lte)
+
+    monkeypatch.setattr(engine, "events", failing)
+    lost = [3] if path == "every query" else []
+    for v in range(1, 7):
+        if v in lost:
+            with pytest.raises(CorruptStoreError):
+                replay(run, Target("version", v))
+        else:
+            assert replay(run, Target("version", v))[0].version == v
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == lost, report.findings
+        [named] = report.damaged
+        assert (named.version, named.partition, named.offset) == (3, CONTROL, after_2 + 1)
+        assert named.error.startswith("CorruptStoreError: ") and \
+            f"reading control offsets {after_2 + 1}..{at_3}, the records of version 3" in named.error
