@@ -689,6 +689,15 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
         if short is not None and stray is not None and rec is not None:
             damaged(short, rec[0], stray)  # (the events it cut off are the short version's)
             return short, rec[0]
+        if short is not None and _miscounted(state, idx, since, target, base_layout):
+            info = seals[short]
+            walk.damaged.append(DamagedRecord(
+                short, CONTROL, info.offset, log.record_file(CONTROL, info.offset),
+                f"IntegrityError: the seal of version {short} counts {info.seal.shard_counts[shard]} "
+                f"events on shard {shard}, which holds {state.applied_per_version.get(short, 0)} of them; "
+                f"every other version holds its count and the shard rebuilt to version {target} holds "
+                "its sealed state: the seal's count is damaged"))
+            return short, None
         if short is not None:
             want = seals[short].seal.shard_counts[shard]
             walk.damaged.append(DamagedRecord(
@@ -743,6 +752,20 @@ def _short_of(state: ShardState, idx: ControlIndex, since: int, upto: int) -> in
         if state.shard < len(counts) and state.applied_per_version.get(v, 0) != counts[state.shard]:
             return v
     return None
+
+
+def _miscounted(state: ShardState, idx: ControlIndex, since: int, target: int,
+                base_layout: RunStarted | None) -> bool:
+    """Whether the one version in ``(since, target]`` whose count differs has a damaged count in
+    its seal, not damaged records: a record moved to another version leaves two counts wrong,
+    and one missing or skipped leaves a state its seal does not hold."""
+    counts = {v: s.seal.shard_counts for v, s in idx.seals.items() if since < v <= target}
+    off = [v for v, c in counts.items() if state.shard < len(c)
+           and state.applied_per_version.get(v, 0) != c[state.shard]]
+    if len(off) != 1:
+        return False
+    layout = idx.layout_at(target, base_layout)
+    return _digest_mismatch(state, layout, idx.seals[target].seal.shard_digests, target) is None
 
 
 def _digest_mismatch(state: ShardState, layout: RunStarted, digests: tuple[bytes, ...],

@@ -22,6 +22,7 @@ from eventlog.errors import CorruptStoreError
 from eventlog.fold import engine
 from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
+from eventlog.settings import override
 from replayer.replay import replay
 from snapshotter.catalog import DELETED_BY_RETENTION
 from snapshotter.policies import keep_last
@@ -423,3 +424,35 @@ def test_control_records_the_store_fails_to_read_are_named_and_lose_only_what_re
         assert (named.version, named.partition, named.offset) == (3, CONTROL, after_2 + 1)
         assert named.error.startswith("CorruptStoreError: ") and \
             f"reading control offsets {after_2 + 1}..{at_3}, the records of version 3" in named.error
+
+
+def test_a_seal_damaged_in_its_event_count_is_named_not_the_records(tmp_path: Path) -> None:
+    """A seal whose count of a shard's events changed but still decodes: a replay through
+    that version fails on the count, and verify names the seal (the shard's records hold
+    every other version's count and the sealed state), not records missing from the shard."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(4)
+    trainer.rec.close()
+    with run.open_log() as log:
+        seal = index_control(log).seals[2]
+    counts = seal.seal.shard_counts
+
+    def avro_ints(values: tuple[int, ...]) -> bytes:  # an Avro array block of small ints
+        return bytes([2 * len(values), *(2 * c for c in values), 0])
+
+    forged = (counts[0], counts[1] + 5)
+    _edit_record(run, tmp_path / "rewind.db", seal.offset, avro_ints(counts), avro_ints(forged),
+                 partition=CONTROL)
+    assert replay(run, Target("version", 1))[0].version == 1
+    # (an embedded log's commits are atomic: no need to wait for the counted records to show)
+    with override(settle_s=0.0):
+        for v in (2, 3, 4):
+            with pytest.raises(RewindError, match=f"of the {forged[1]} events"):
+                replay(run, Target("version", v))
+        for deep in (False, True):
+            report = verify_run(run, deep=deep)
+            assert not report.ok and report.unreachable == [2, 3, 4], report.findings
+            [named] = report.damaged
+            assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset), named
+            assert named.error.endswith("the seal's count is damaged"), named.error
