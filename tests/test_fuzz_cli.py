@@ -330,6 +330,6 @@ def test_damaged_files_never_fool_replay_or_verify(recorded: Recorded, tmp_path:
                    sum(not o.replayed for o in v)) for k, v in by_kind.items()}
     print(f"\n{len(outcomes)} cases in {elapsed:.1f} s; per kind (cases, damaged, verify failed, "
           f"replay raised): {summary}")
-    assert len(outcomes) == CASES and all(len(v) >= CASES // 3 for v in by_kind.values())
+    assert len(outcomes) == CASES - FIRST and all(len(v) >= (CASES - FIRST) // 3 for v in by_kind.values())
     # The damage must reach what is checked, or the campaign proves little.
     assert all(s[2] >= s[0] // 5 for s in summary.values()), summary
