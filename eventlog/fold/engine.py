@@ -317,20 +317,24 @@ def stray_version(log: EventLog, idx: ControlIndex, partition: int, offset: int,
                   env: Envelope) -> IntegrityError | None:
     """Where a fold that came up short stopped at ``env``, the first event past its target:
     an error naming it if its version is none that exists, neither sealed nor the next to
-    be (the control partition read again first, for a log that is still being written).
-    Its version is damaged then, and the events it cut off are the target's."""
-    def exists(index: ControlIndex) -> bool:
-        return env.version in index.seals or env.version <= index.latest_version() + 1
+    be (the control records committed since ``idx`` was read are looked at first, for a log
+    that is still being written). Its version is damaged then, and the events it cut off
+    are the target's."""
+    def exists(seals: Mapping[int, SealInfo], newest: int) -> bool:
+        return env.version in seals or env.version <= newest + 1
 
-    if exists(idx):
+    newest = idx.latest_version()
+    if exists(idx.seals, newest):
         return None
-    fresh = index_control(log)
-    if exists(fresh):
+    since = ControlIndex(end_offset=idx.end_offset)  # (``idx`` is shared: it is not updated)
+    index_control(log, since)
+    newest = max(newest, since.latest_version())
+    if exists(since.seals, newest):
         return None
     return IntegrityError(
         f"run {log.run_id!r} shard {partition} offset {offset}: the fold stopped at an event of "
         f"version {env.version}, which has no seal and no commit could have written yet (the "
-        f"newest version is {fresh.latest_version()}): its version is damaged")
+        f"newest version is {newest}): its version is damaged")
 
 
 def _fail_if_truncated_under(log: EventLog, partition: int, gt_offset: int | None, version: int,
