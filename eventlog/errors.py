@@ -48,6 +48,11 @@ class IntegrityError(RewindError):
     """The log contradicts itself: a shard digest differs from its seal, a count is short."""
 
 
+class GsnOrderError(IntegrityError):
+    """An applied event's gsn is past that of a later event of its own version that no applied
+    event has: the first gsn is damaged (the events after it would read as duplicates)."""
+
+
 class DigestMismatchError(IntegrityError):
     """A rebuilt shard's digest differs from the digest its version's seal recorded."""
 

@@ -55,6 +55,7 @@ from eventlog.errors import (
     CorruptStoreError,
     DecodeError,
     DigestMismatchError,
+    GsnOrderError,
     IntegrityError,
     RunNotFoundError,
 )
@@ -625,6 +626,7 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
     records = _Records(log, shard, gt)
     placement = Placement(lambda v: idx.layout_at(v, base_layout), shard)
     diverged = False  # a step predicted differently since the last checkpoint that matched
+    applied_at: int | None = None  # the offset of the record applied last
     settle = current().settle_s
 
     def record(version: int | None, offset: int | None, exc: RewindError) -> DamagedRecord:
@@ -678,11 +680,16 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                     if isinstance(exc, ChunkDigestError):
                         state.apply(env, sealed, nbytes, where, placement=placement, chunk_digests=False)
                     else:
-                        _count_applied(state, env, nbytes)
+                        _count_applied(state, env, nbytes, where)
+            except GsnOrderError as exc:  # the event applied last is the damaged one
+                damaged(env.version, applied_at, exc)
+                return env.version, applied_at
             except RewindError as exc:
                 damaged(env.version, offset, exc)
                 short = _short_of(state, idx, since, env.version - 1)
                 return (env.version if short is None else short), offset
+            if state.applied_gsn == env.gsn:
+                applied_at = offset
             records.take()
         short = _short_of(state, idx, since, target)
         stray = None if short is None or rec is None else stray_version(log, idx, shard, rec[0], rec[2])
@@ -736,8 +743,9 @@ def _settled(records: _Records, settle_s: float) -> bool:
         time.sleep(0.05)
 
 
-def _count_applied(state: ShardState, env: Envelope, nbytes: int) -> None:
+def _count_applied(state: ShardState, env: Envelope, nbytes: int, where: str) -> None:
     """Count an event as applied, as ``ShardState.apply`` does once its body applied."""
+    state.last_applied = (state.applied_gsn, env.version, where)
     state.applied_gsn = env.gsn
     state.version = max(state.version, env.version)
     state.applied_per_version[env.version] += 1

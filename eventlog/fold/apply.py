@@ -18,6 +18,7 @@ from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import (
     BatchedStepsMismatchError,
     DigestMismatchError,
+    GsnOrderError,
     IntegrityError,
     RewindError,
     RunNotFoundError,
@@ -123,6 +124,8 @@ class ShardState:
     grad_chunks: dict[str, tuple[int, set[int]]] = field(default_factory=dict)  # count, seen
     #: Optimizer steps waiting to run as one tiled batch (``apply(..., defer=True)``).
     deferred: DeferredSteps = field(default_factory=DeferredSteps)
+    #: The last event applied: the gsn applied before it, its version, and where it is.
+    last_applied: tuple[int, int, str] | None = None
 
     def apply(self, env: Envelope, sealed: Container[int], nbytes: int, where: str,
               defer: bool = False, placement: Placement | None = None,
@@ -140,6 +143,15 @@ class ShardState:
         must before reading the tensors.
         """
         outcome = classify(env, self.applied_gsn, self.snapshot_gsn, sealed)
+        if outcome == SKIPPED_DUPLICATE and self.last_applied is not None:
+            before, version, at = self.last_applied
+            # Applied gsns only grow, so no applied event has a gsn between the last two: a
+            # redelivered event has one of theirs. An event of the same version there was
+            # never applied, and the last one's gsn jumped past it.
+            if env.version == version and before < env.gsn < self.applied_gsn:
+                raise GsnOrderError(f"{at}: gsn {self.applied_gsn} is past gsn {env.gsn} of a later "
+                                    f"event of its version ({where}), which no applied event has: "
+                                    "its gsn is damaged")
         if outcome == APPLIED:
             if isinstance(sealed, Mapping) and env.gsn > sealed[env.version]:
                 raise IntegrityError(f"{where}: gsn {env.gsn} is past the seal of its version "
@@ -161,6 +173,7 @@ class ShardState:
                     self._apply_delta(body, where, chunk_digests)
             else:
                 raise IntegrityError(f"{where}: a {env.kind} event on tensor shard {self.shard}")
+            self.last_applied = (self.applied_gsn, env.version, where)
             self.applied_gsn = env.gsn
             self.version = max(self.version, env.version)
             self.applied_per_version[env.version] += 1
