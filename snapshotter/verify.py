@@ -315,13 +315,13 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
                workers: int, deep: bool) -> None:
     """Fold every partition over the reachable history (see the module docstring)."""
     versions = sorted(idx.seals)
+    _scan_control(report, log)  # (records missing from the index may be every seal)
     if not versions:
         report.findings.append(Finding("log", WARN, "no sealed version to check"))
         return
     for v in sorted(set(range(versions[0], versions[-1] + 1)) - set(versions))[:10]:
         report.damage(DamagedRecord(v, CONTROL, None, log.record_file(CONTROL),
                                     f"version {v} has no seal, between sealed versions"))
-    _scan_control(report, log)
     bad_seals = _damaged_seals(log, idx)
     bad_layouts, layout_lost = _damaged_layouts(log, idx)
     for record in bad_seals + bad_layouts:

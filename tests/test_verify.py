@@ -460,3 +460,28 @@ def test_a_seal_damaged_in_its_event_count_is_named_not_the_records(tmp_path: Pa
             [named] = report.damaged
             assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset), named
             assert named.error.endswith("the seal's count is damaged"), named.error
+
+
+def test_every_seal_missing_from_the_index_is_damage_not_an_empty_run(tmp_path: Path) -> None:
+    """The control records after the layout gone from the database's index, the partition
+    still ending past them: no replay finds a sealed version, and verify names the gap
+    instead of passing a run with nothing to check."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(3)
+    trainer.rec.close()
+    with run.open_log() as log:
+        first = min(o for o, _, env in events(log, CONTROL) if env.kind == "CommitSealed")
+        end = log.end_offset(CONTROL)
+    with sqlite3.connect(tmp_path / "rewind.db") as conn:
+        for table in ("records", "extents"):
+            conn.execute(f"DELETE FROM {table} WHERE run=? AND partition=? AND offset>=?",
+                         (run.run_id, CONTROL, first))
+    conn.close()
+    with pytest.raises(RewindError, match="no sealed version"):
+        replay(run, Target())
+    report = verify_run(run)
+    assert not report.ok
+    [named] = report.damaged
+    assert (named.partition, named.offset) == (CONTROL, first)
+    assert f"records at offsets {first}..{end - 1} are missing" in named.error, named.error
