@@ -108,10 +108,7 @@ def test_a_seal_damaged_in_its_digests_is_found_by_every_pass(
     A damaged shard digest loses that version (a replay to it fails); a damaged state
     digest, the sum of the others, loses nothing: the replay's state verifies against the
     others, it reports the true digest and warns, and verify calls nothing unreachable."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(4)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         seal = index_control(log).seals[2]
     digest = seal.seal.shard_digests[1] if field == "shard digest" else seal.seal.state_digest
@@ -216,6 +213,15 @@ def _edit_record(run: RunAddress, db: Path, offset: int, old: bytes, new: bytes,
         segment.write_bytes(bytes(data))
 
 
+def _closed_run(tmp_path: Path, versions: int) -> RunAddress:
+    """An embedded run of ``versions`` versions, no snapshot; the trainer closed."""
+    run = make_address("embedded", tmp_path)
+    trainer = Trainer(run)
+    trainer.train(versions)
+    trainer.rec.close()
+    return run
+
+
 def _six_versions_with_a_snapshot_of_4(tmp_path: Path) -> RunAddress:
     """An embedded run of versions 1..6 with one snapshot, of version 4; the trainer closed."""
     run = dataclasses.replace(make_address("embedded", tmp_path),
@@ -281,10 +287,7 @@ def test_a_gradient_chunk_with_a_damaged_digest_is_named_and_loses_no_version(tm
     """A gradient chunk whose recorded digest changed, its bits intact: a replay's batched
     steps leave that digest to the seal, so every version still replays; verify names the
     chunk and, its bits confirmed by the seals after it, calls no version unreachable."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(4)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         offset, digest = next((o, env.body.digest) for o, _, env in events(log, 0)
                               if env.version == 2 and env.kind == "TensorDelta"
@@ -304,10 +307,7 @@ def test_a_damaged_layout_is_named_and_no_version_under_it_is_called_reachable(t
     """The run's layout record with a tensor's name changed in place: it no longer makes its
     own config digest, so every replay under it refuses it, naming it, and verify names that
     record and calls every version under it unreachable."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(3)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 3)
     with run.open_log() as log:
         [(offset, started)] = index_control(log).run_started
     name = started.body.tensors[0].name
@@ -335,10 +335,7 @@ def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field
     or gsn is negative, no version past the next one has events, and no event of a version
     has a gsn between the last two applied, so the chunk itself is named, by replays and by
     verify."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(4)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         seal_gsn = index_control(log).seals[2].gsn
         (offset, env), _, (_, later) = [(o, env) for o, _, env in events(log, 0) if env.version == 2][:3]
@@ -374,10 +371,7 @@ def test_records_missing_at_the_end_lose_no_version_that_replays(tmp_path: Path)
     """The last version's records gone from the database's index (its seal with them), the
     partitions still ending past them: verify names the gap in each partition, and calls no
     version unreachable, since a replay to the newest version left meets no record past it."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(4)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         gone = {p: min(o for o, _, env in events(log, p) if env.version == 4) for p in (CONTROL, 0)}
     with sqlite3.connect(tmp_path / "rewind.db") as conn:
@@ -434,10 +428,7 @@ def test_a_seal_damaged_in_its_event_count_is_named_not_the_records(tmp_path: Pa
     """A seal whose count of a shard's events changed but still decodes: a replay through
     that version fails on the count, and verify names the seal (the shard's records hold
     every other version's count and the sealed state), not records missing from the shard."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(4)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         seal = index_control(log).seals[2]
     counts = seal.seal.shard_counts
@@ -466,10 +457,7 @@ def test_every_seal_missing_from_the_index_is_damage_not_an_empty_run(tmp_path: 
     """The control records after the layout gone from the database's index, the partition
     still ending past them: no replay finds a sealed version, and verify names the gap
     instead of passing a run with nothing to check."""
-    run = make_address("embedded", tmp_path)
-    trainer = Trainer(run)
-    trainer.train(3)
-    trainer.rec.close()
+    run = _closed_run(tmp_path, 3)
     with run.open_log() as log:
         first = min(o for o, _, env in events(log, CONTROL) if env.kind == "CommitSealed")
         end = log.end_offset(CONTROL)
