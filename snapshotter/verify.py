@@ -686,8 +686,11 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 return env.version, applied_at
             except RewindError as exc:
                 damaged(env.version, offset, exc)
-                short = _short_of(state, idx, since, env.version - 1)
-                return (env.version if short is None else short), offset
+                # A replay reaches this record only past the versions of those before it
+                # (a damaged version may be lower than theirs).
+                first = max(env.version, records.last_version or 0)
+                short = _short_of(state, idx, since, first - 1)
+                return (first if short is None else short), offset
             if state.applied_gsn == env.gsn:
                 applied_at = offset
             records.take()

@@ -473,3 +473,26 @@ def test_every_seal_missing_from_the_index_is_damage_not_an_empty_run(tmp_path: 
     [named] = report.damaged
     assert (named.partition, named.offset) == (CONTROL, first)
     assert f"records at offsets {first}..{end - 1} are missing" in named.error, named.error
+
+
+def test_a_version_damaged_downward_loses_only_the_versions_whose_replays_reach_it(
+        tmp_path: Path) -> None:
+    """Version 4's last record on shard 0 damaged to read as version 2: its gsn is then past
+    version 2's seal, and it is named. Replays to 2 and 3 stop at version 4's first record,
+    before reaching it, and the snapshot of 4 lies past it: no version is unreachable."""
+    run = _six_versions_with_a_snapshot_of_4(tmp_path)
+    with run.open_log() as log:
+        offset, env = [(o, env) for o, _, env in events(log, 0) if env.version == 4][-1]
+        [record] = log.read(0, gt=offset - 1, lte=offset)
+    damaged = serde.encode.with_bulk(dataclasses.replace(env, version=2))[0]
+    span = [i for i, (a, b) in enumerate(zip(record.value, damaged, strict=True)) if a != b]
+    _edit_record(run, tmp_path / "rewind.db", offset, record.value[span[0] - 8:span[-1] + 1],
+                 damaged[span[0] - 8:span[-1] + 1])
+    for v in range(1, 7):
+        assert replay(run, Target("version", v))[0].version == v
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == [], report.findings
+        [named] = report.damaged
+        assert (named.partition, named.offset) == (0, offset)
+        assert "past the seal of its version" in named.error, named.error
