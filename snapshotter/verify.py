@@ -163,9 +163,23 @@ def verify_run(address: RunAddress, *, workers: int = 2, deep: bool = False) -> 
             return report
         store = run_store(address.snapshots_url, idx, log.run_id)
         valid = _check_snapshots(report, store, log, idx, workers)
-        _check_log(report, log, idx, _Starts(store, log, idx, valid, workers), workers, deep)
+        parts = _partitions(report, log, idx)
+        _check_log(report, log, idx, _Starts(store, log, idx, valid, workers, parts), workers, deep)
         _check_resumes(report, log, idx)
     return report
+
+
+def _partitions(report: VerifyReport, log: EventLog, idx: ControlIndex) -> list[int]:
+    """Control and every tensor shard; where the store cannot say how many shards the run
+    has, that is named and the layouts' count stands (a replay takes it from the layout)."""
+    try:
+        return log.partitions()
+    except CorruptStoreError as exc:
+        shards = max((env.body.shard_count for _, env in idx.run_started
+                      if isinstance(env.body, RunStarted)), default=0)
+        report.findings.append(Finding("log", FAIL, f"{exc} (reading the run's shard count; "
+                                       f"the layout's, {shards}, is used)"))
+        return [CONTROL, *range(shards)]
 
 
 def _check_resumes(report: VerifyReport, log: EventLog, idx: ControlIndex) -> None:
@@ -261,9 +275,9 @@ class _Starts:
     valid snapshot that the log still reaches, each loaded (once) when a fold needs it."""
 
     def __init__(self, store: SnapshotStore | None, log: EventLog, idx: ControlIndex,
-                 valid: list[Marker], workers: int) -> None:
+                 valid: list[Marker], workers: int, parts: list[int]) -> None:
         self._store, self._log, self._idx, self._workers = store, log, idx, workers
-        parts = log.partitions()
+        self.parts = parts
         firsts = [log.start_offset(p) for p in parts]
         self.from_log_start = all(f == 0 for f in firsts)
         #: Valid snapshots the log reaches (every partition still holds their tails).
@@ -346,7 +360,7 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: _
     looked_at = set(versions if deep else versions[-1:]) | {r.version for r in bad_seals}
     checkpoints = sorted(v for v in looked_at - layout_lost if v is not None and v > since)
     named = {r.offset for r in bad_seals}
-    shards = len(log.partitions()) - 1
+    shards = len(starts.parts) - 1
     walks = [_walk_control(log, idx, starts, base)]
     with ThreadPoolExecutor(max(1, min(workers, shards))) as pool:
         walks += list(pool.map(lambda s: _walk_shard(log, idx, starts, base, s, checkpoints), range(shards)))

@@ -496,3 +496,25 @@ def test_a_version_damaged_downward_loses_only_the_versions_whose_replays_reach_
         [named] = report.damaged
         assert (named.partition, named.offset) == (0, offset)
         assert "past the seal of its version" in named.error, named.error
+
+
+def test_a_damaged_run_row_is_named_and_the_layouts_shard_count_is_used(tmp_path: Path) -> None:
+    """The database page that holds the run's row (its shard count) zeroed: replays take the
+    shard count from the layout and work; verify says that row does not read, and checks
+    every version with the layout's count instead of stopping there."""
+    run = _closed_run(tmp_path, 3)
+    db = tmp_path / "rewind.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+        (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='runs'").fetchone()
+    conn.close()
+    data = bytearray(db.read_bytes())
+    data[(root - 1) * page_size:root * page_size] = bytes(page_size)
+    db.write_bytes(bytes(data))
+    assert replay(run, Target())[0].version == 3
+    report = verify_run(run)
+    assert not report.ok and report.unreachable == [] and report.covered == (1, 3), report.findings
+    [failed] = [f for f in report.findings if f.status == FAIL]
+    assert failed.detail.startswith(f"embedded database {db} is damaged") and \
+        failed.detail.endswith("(reading the run's shard count; the layout's, 2, is used)"), failed.detail
