@@ -593,7 +593,8 @@ def _walk_shard(log: EventLog, idx: ControlIndex, starts: _Starts, base: Marker 
             start = starts.load(point)
             state, since, layout = start.shards[shard], point.version, start.layout
             gt = start.next_offsets[shard + 1] - 1
-        broken = _fold(log, idx, state, gt, since, layout, [c for c in checkpoints if c > since], walk)
+        broken = _fold(log, idx, state, gt, since, layout, [c for c in checkpoints if c > since], walk,
+                       starts)
         walk.applied += state.counts.applied
         if broken is None:
             return walk
@@ -607,12 +608,12 @@ def _walk_shard(log: EventLog, idx: ControlIndex, starts: _Starts, base: Marker 
 
 def _fold(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
           base_layout: RunStarted | None, checkpoints: list[int],
-          walk: _Walk) -> tuple[int, int | None] | None:
+          walk: _Walk, starts: _Starts) -> tuple[int, int | None] | None:
     """Apply the shard's records after offset ``gt`` and check each checkpoint version.
     Returns ``None`` when the newest version was reached, else ``(first version a replay
     cannot reach, offset of the damaged record or None)`` after adding it to ``walk``."""
     steps: list[DamagedRecord] = []
-    broken = _fold_records(log, idx, state, gt, since, base_layout, checkpoints, walk, steps)
+    broken = _fold_records(log, idx, state, gt, since, base_layout, checkpoints, walk, steps, starts)
     if broken is not None:
         # A step that predicted differently at or after the break ran on a state the missing
         # or damaged records had already changed: only the steps before it stay named.
@@ -633,7 +634,7 @@ def _left_to_the_seal(env: Envelope) -> bool:
 
 def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
                   base_layout: RunStarted | None, checkpoints: list[int], walk: _Walk,
-                  steps: list[DamagedRecord]) -> tuple[int, int | None] | None:
+                  steps: list[DamagedRecord], starts: _Starts) -> tuple[int, int | None] | None:
     """``_fold``'s walk; each step it names for predicting differently also goes to ``steps``."""
     shard, seals, newest = state.shard, idx.seals, max(idx.seals)
     sealed = {v: s.gsn for v, s in seals.items()}
@@ -660,9 +661,14 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 # a fold reads the first record past its target to see where it stops.
                 first = records.last_version if records.last_version is not None else since
                 damaged(_short_of(state, idx, since, newest), offset, exc)
-                if isinstance(exc, MissingRecordsError) and _short_of(state, idx, since, first) is None:
+                whole = _short_of(state, idx, since, first) is None
+                if isinstance(exc, MissingRecordsError) and whole:
                     # Nothing failed to read: a replay to the last version read whole meets
                     # the record after the gap, or none, and stops there.
+                    first += 1
+                elif whole and records.last_version is not None and _replay_reads(log, starts, shard, first):
+                    # A damaged database fails some queries and answers others: the replay
+                    # to the last version read whole, reading as it does, met no failure.
                     first += 1
                 return max(first, since), offset
             if rec is None:
@@ -746,6 +752,23 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
         diverged = False
         since = target
     return None
+
+
+def _replay_reads(log: EventLog, starts: _Starts, shard: int, version: int) -> bool:
+    """Whether a replay to ``version`` reads the shard's records without an error, reading
+    them as it does: from the newest snapshot at or before it (or the log's start) up to the
+    first record past it. Its contents were checked already; only the store's answer is."""
+    point = starts.before(version)
+    if point is None and not starts.from_log_start:
+        return False
+    gt = None if point is None or point.end is None else point.end.next_offsets[shard + 1] - 1
+    try:
+        for _, _, env in events(log, shard, gt=gt, lte=log.end_offset(shard) - 1):
+            if env.version > version:
+                break
+    except RewindError:
+        return False
+    return True
 
 
 def _settled(records: _Records, settle_s: float) -> bool:

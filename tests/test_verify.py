@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from eventlog import RewindError, RunAddress, Target, serde
+from eventlog.embedded.log import EmbeddedLog
 from eventlog.errors import CorruptStoreError
 from eventlog.fold import engine
 from eventlog.fold.engine import events, index_control
@@ -518,3 +519,41 @@ def test_a_damaged_run_row_is_named_and_the_layouts_shard_count_is_used(tmp_path
     [failed] = [f for f in report.findings if f.status == FAIL]
     assert failed.detail.startswith(f"embedded database {db} is damaged") and \
         failed.detail.endswith("(reading the run's shard count; the layout's, 2, is used)"), failed.detail
+
+
+def test_a_record_the_store_fails_on_one_query_path_loses_no_version_a_replay_reads_past(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 6's first record on shard 0 read through every query but the one a replay to
+    version 5 makes (from the snapshot of 4) fails, as a damaged database page can: verify
+    names the record, and version 5 stays reachable, since that replay reads past it. Version
+    6, whose record verify could not read, is the one it calls unreachable."""
+    run = _six_versions_with_a_snapshot_of_4(tmp_path)
+    with run.open_log() as log:
+        offset = next(o for o, _, env in events(log, 0) if env.version == 6)
+        # (the snapshot of 4 holds shard 0 up to version 5's first record)
+        replays_gt = next(o for o, _, env in events(log, 0) if env.version == 5) - 1
+    broken = CorruptStoreError(f"embedded database {tmp_path / 'rewind.db'} is damaged: "
+                               "database disk image is malformed")
+    scan, read = EmbeddedLog.scan_decoded, EmbeddedLog.read
+
+    def failing_scan(self: EmbeddedLog, partition: int, decode: Any, *, gt: int | None = None,
+                     lte: int | None = None, batch: int = 256) -> Any:
+        for rec in scan(self, partition, decode, gt=gt, lte=lte, batch=batch):
+            if partition == 0 and rec.offset == offset and gt != replays_gt:
+                raise broken
+            yield rec
+
+    def failing_read(self: EmbeddedLog, partition: int, *, gt: int | None = None, lte: int | None = None,
+                     limit: int | None = None) -> Any:
+        got = read(self, partition, gt=gt, lte=lte, limit=limit)
+        if partition == 0 and gt != replays_gt and any(r.offset == offset for r in got):
+            raise broken
+        return got
+
+    monkeypatch.setattr(EmbeddedLog, "scan_decoded", failing_scan)
+    monkeypatch.setattr(EmbeddedLog, "read", failing_read)
+    assert replay(run, Target("version", 5))[0].version == 5
+    report = verify_run(run)
+    assert not report.ok and report.unreachable == [6], report.findings
+    [named] = report.damaged
+    assert (named.version, named.partition, named.offset) == (6, 0, offset), named
