@@ -20,6 +20,7 @@ import pytest
 from eventlog import RewindError, RunAddress, Target, serde
 from eventlog.embedded.log import EmbeddedLog
 from eventlog.errors import CorruptStoreError
+from eventlog.events import Envelope
 from eventlog.fold import engine
 from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
@@ -214,6 +215,16 @@ def _edit_record(run: RunAddress, db: Path, offset: int, old: bytes, new: bytes,
         segment.write_bytes(bytes(data))
 
 
+def _rewrite_event(run: RunAddress, db: Path, offset: int, value: bytes, env: Envelope) -> None:
+    """Shard 0's record at ``offset`` (its message ``value``) made to read as ``env``, which
+    encodes to the same length, by changing only the bytes that differ (and 8 before them)."""
+    damaged = serde.encode.with_bulk(env)[0]
+    assert len(damaged) == len(value)
+    span = [i for i, (a, b) in enumerate(zip(value, damaged, strict=True)) if a != b]
+    start, end = span[0], span[-1] + 1
+    _edit_record(run, db, offset, value[start - 8:end], damaged[start - 8:end])
+
+
 def _closed_run(tmp_path: Path, versions: int) -> RunAddress:
     """An embedded run of ``versions`` versions, no snapshot; the trainer closed."""
     run = make_address("embedded", tmp_path)
@@ -344,11 +355,7 @@ def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field
     assert env.kind == "TensorDelta"
     change = {"gsn": {"gsn": seal_gsn + 1}, "gsn within": {"gsn": later.gsn},
               "version": {"version": -1}, "version up": {"version": 60}}[field]
-    damaged = serde.encode.with_bulk(dataclasses.replace(env, **change))[0]
-    assert len(damaged) == len(record.value)
-    span = [i for i, (a, b) in enumerate(zip(record.value, damaged, strict=True)) if a != b]
-    start, end = span[0], span[-1] + 1
-    _edit_record(run, tmp_path / "rewind.db", offset, record.value[start - 8:end], damaged[start - 8:end])
+    _rewrite_event(run, tmp_path / "rewind.db", offset, record.value, dataclasses.replace(env, **change))
     said = f"shard 0 offset {offset}" + {
         "gsn": f" (version 2): gsn {seal_gsn + 1} is past the seal of its version (gsn {seal_gsn})",
         "gsn within": f" (version 2): gsn {later.gsn} is past gsn {env.gsn + 1} of a later event of "
@@ -485,10 +492,7 @@ def test_a_version_damaged_downward_loses_only_the_versions_whose_replays_reach_
     with run.open_log() as log:
         offset, env = [(o, env) for o, _, env in events(log, 0) if env.version == 4][-1]
         [record] = log.read(0, gt=offset - 1, lte=offset)
-    damaged = serde.encode.with_bulk(dataclasses.replace(env, version=2))[0]
-    span = [i for i, (a, b) in enumerate(zip(record.value, damaged, strict=True)) if a != b]
-    _edit_record(run, tmp_path / "rewind.db", offset, record.value[span[0] - 8:span[-1] + 1],
-                 damaged[span[0] - 8:span[-1] + 1])
+    _rewrite_event(run, tmp_path / "rewind.db", offset, record.value, dataclasses.replace(env, version=2))
     for v in range(1, 7):
         assert replay(run, Target("version", v))[0].version == v
     for deep in (False, True):
