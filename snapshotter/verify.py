@@ -542,6 +542,14 @@ class _Records:
         if self.log.dense_offsets:
             want = self.log.start_offset(self.partition) if self.last_offset is None else self.last_offset + 1
             found = self._end if self._next is None else self._next[0]
+            if found > want and not self._one_by_one and \
+                    self.log.read(self.partition, gt=want - 1, lte=want, limit=1):
+                # A damaged index can hide records from a scan (a replay's read) that a
+                # lookup finds.
+                self._next, self.failed_at = None, want
+                raise CorruptStoreError(f"run {self.log.run_id!r} partition {self.partition}: a scan "
+                                        f"skips offsets {want}..{found - 1}, which a lookup of offset "
+                                        f"{want} finds: the database's index is damaged")
             if found > want:
                 # A damaged index can hide records from a scan without any error.
                 self._next, self.failed_at = None, want
@@ -552,14 +560,18 @@ class _Records:
 
     def _single(self) -> tuple[int, int, Envelope] | None:
         gt = self.last_offset
-        # (offsets are dense but for the gaps Kafka's transaction markers leave)
-        self.failed_at = self.log.start_offset(self.partition) if gt is None else gt + 1
-        found = self.log.read(self.partition, gt=gt, lte=self._end - 1, limit=1)
+        want = self.log.start_offset(self.partition) if gt is None else gt + 1
+        self.failed_at = want
+        found = []
+        if self.log.dense_offsets:  # the very offset first: a range can fail where a lookup works
+            found = self.log.read(self.partition, gt=want - 1, lte=want, limit=1)
+        if not found:  # (Kafka's offsets have gaps where its transaction markers are)
+            found = self.log.read(self.partition, gt=gt, lte=self._end - 1, limit=1)
         if not found:
             self.failed_at = None
             return None
         self.failed_at = found[0].offset
-        record = next(events(self.log, self.partition, gt=gt, lte=found[0].offset), None)
+        record = next(events(self.log, self.partition, gt=found[0].offset - 1, lte=found[0].offset), None)
         self.failed_at = None
         return record
 

@@ -561,3 +561,32 @@ def test_a_record_the_store_fails_on_one_query_path_loses_no_version_a_replay_re
     assert not report.ok and report.unreachable == [6], report.findings
     [named] = report.damaged
     assert (named.version, named.partition, named.offset) == (6, 0, offset), named
+
+
+def test_a_record_a_scan_skips_but_a_lookup_finds_is_named_as_a_damaged_index(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Version 3's first record on shard 0 skipped by every scan of the partition (a replay's
+    read) but found by a lookup of its offset, as a damaged index page can do: replays through
+    version 3 come up short, and verify names that record and the index, not missing records."""
+    run = _closed_run(tmp_path, 4)
+    with run.open_log() as log:
+        offset = next(o for o, _, env in events(log, 0) if env.version == 3)
+    scan = EmbeddedLog.scan_decoded
+
+    def skipping_scan(self: EmbeddedLog, partition: int, decode: Any, *, gt: int | None = None,
+                      lte: int | None = None, batch: int = 256) -> Any:
+        return (rec for rec in scan(self, partition, decode, gt=gt, lte=lte, batch=batch)
+                if partition != 0 or rec.offset != offset)
+
+    monkeypatch.setattr(EmbeddedLog, "scan_decoded", skipping_scan)
+    with override(settle_s=0.0):
+        assert replay(run, Target("version", 2))[0].version == 2
+        for v in (3, 4):
+            with pytest.raises(RewindError):
+                replay(run, Target("version", v))
+        report = verify_run(run)
+    assert not report.ok and report.unreachable == [3, 4], report.findings
+    [named] = report.damaged
+    assert (named.partition, named.offset) == (0, offset)
+    assert f"a scan skips offsets {offset}..{offset}, which a lookup of offset {offset} finds: the " \
+        "database's index is damaged" in named.error, named.error
