@@ -486,7 +486,7 @@ def _fold_small(log: EventLog, idx: ControlIndex, starts: _Starts, version: int,
     A damaged database can fail one query and answer another (SQLite meets a damaged index
     page on some query paths only), so a failed read is named and then tried again the way a
     replay to ``version`` reads: from the newest snapshot at or before it, or the log's start."""
-    gt = small.next_offset - 1 if small.next_offset else None
+    gt = small.folded_to
     try:
         return fold_control(log, idx, version, small, gt)
     except (CorruptStoreError, DecodeError) as exc:
@@ -500,7 +500,7 @@ def _fold_small(log: EventLog, idx: ControlIndex, starts: _Starts, version: int,
         return None
     again = _small_at(starts, point)
     try:
-        return fold_control(log, idx, version, again, again.next_offset - 1 if again.next_offset else None)
+        return fold_control(log, idx, version, again, again.folded_to)
     except (CorruptStoreError, DecodeError):
         return None
 

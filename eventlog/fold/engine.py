@@ -180,6 +180,12 @@ class SmallStates:
     #: The control offset after the last record folded.
     next_offset: int = 0
 
+    @property
+    def folded_to(self) -> int | None:
+        """The control offset of the last record folded (``None``: none yet), where a fold
+        on from here starts after."""
+        return self.next_offset - 1 if self.next_offset else None
+
 
 def fold_control(
     log: EventLog,
