@@ -337,29 +337,31 @@ def test_a_damaged_layout_is_named_and_no_version_under_it_is_called_reachable(t
         assert "the layout in force at version 1" in named.error, named.error
 
 
-@pytest.mark.parametrize("field", ["gsn", "gsn within", "version", "version up"])
+@pytest.mark.parametrize("field", ["gsn", "gsn within", "gsn down", "version", "version up"])
 def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field: str) -> None:
     """A gradient chunk whose gsn was damaged upward (past its seal's, or past the next events
-    of its version), or its version to a negative one or to one that does not exist: it
-    would make the events after it read as duplicates, be skipped as unsealed, or end its
-    version's events early (the count then falls short, or the step misses its gradient,
-    naming another record or none). No event of a version comes after its seal, no version
-    or gsn is negative, no version past the next one has events, and no event of a version
-    has a gsn between the last two applied, so the chunk itself is named, by replays and by
-    verify."""
+    of its version) or down to an applied one's, or its version to a negative one or to one
+    that does not exist: it would make the events after it read as duplicates, be skipped
+    as unsealed or as a duplicate, or end its version's events early (the count then falls
+    short, or the step misses its gradient, naming another record or none). No event of a
+    version comes after its seal, no version or gsn is negative, no version past the next
+    one has events, no event of a version has a gsn between the last two applied, and no
+    redelivered event is of a version newer than every applied one, so the chunk itself is
+    named, by replays and by verify."""
     run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         seal_gsn = index_control(log).seals[2].gsn
         (offset, env), _, (_, later) = [(o, env) for o, _, env in events(log, 0) if env.version == 2][:3]
         [record] = log.read(0, gt=offset - 1, lte=offset)
     assert env.kind == "TensorDelta"
-    change = {"gsn": {"gsn": seal_gsn + 1}, "gsn within": {"gsn": later.gsn},
+    change = {"gsn": {"gsn": seal_gsn + 1}, "gsn within": {"gsn": later.gsn}, "gsn down": {"gsn": 1},
               "version": {"version": -1}, "version up": {"version": 60}}[field]
     _rewrite_event(run, tmp_path / "rewind.db", offset, record.value, dataclasses.replace(env, **change))
     said = f"shard 0 offset {offset}" + {
         "gsn": f" (version 2): gsn {seal_gsn + 1} is past the seal of its version (gsn {seal_gsn})",
         "gsn within": f" (version 2): gsn {later.gsn} is past gsn {env.gsn + 1} of a later event of "
                       f"its version (run {run.run_id!r} shard 0 offset {offset + 1} (version 2))",
+        "gsn down": " (version 2): gsn 1 is at or below gsn",
         "version": ": version -1, gsn",
         "version up": ": the fold stopped at an event of version 60, which has no seal"}[field]
     # (A replay to version 1 reads the record too, to see that version 1 ended before it.)

@@ -143,6 +143,13 @@ class ShardState:
         must before reading the tensors.
         """
         outcome = classify(env, self.applied_gsn, self.snapshot_gsn, sealed)
+        if (outcome in (SKIPPED_DUPLICATE, SKIPPED_BY_SNAPSHOT) and env.version > self.version
+                and env.version in sealed):
+            # Versions only grow along a partition, as gsns do, so a redelivered event (or
+            # one a snapshot covers) has the version of an applied one or an older one.
+            raise IntegrityError(f"{where}: gsn {env.gsn} is at or below gsn {self.applied_gsn}, "
+                                 f"applied through version {self.version}, but the event is of the "
+                                 f"later version {env.version}: its gsn is damaged")
         if outcome == SKIPPED_DUPLICATE and self.last_applied is not None:
             before, version, at = self.last_applied
             # Applied gsns only grow, so no applied event has a gsn between the last two: a
