@@ -217,8 +217,10 @@ def _check_snapshots(report: VerifyReport, store: SnapshotStore | None, log: Eve
             continue
         try:
             load_start(store, log, idx, marker, workers=workers)
-        except RewindError as exc:
-            report.findings.append(Finding(subject, FAIL, str(exc)))
+        except RewindError as exc:  # (the files, or the end marker that vouches for them)
+            at = marker.end_offset
+            report.findings.append(Finding(subject, FAIL, f"{exc} (end marker at control offset {at}, "
+                                           f"in {log.record_file(CONTROL, at)})"))
             continue
         valid.append(marker)
         report.findings.append(Finding(subject, OK, f"files and digests verify ({folder})"))

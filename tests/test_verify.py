@@ -247,6 +247,27 @@ def _six_versions_with_a_snapshot_of_4(tmp_path: Path) -> RunAddress:
     return run
 
 
+def test_a_snapshot_whose_end_marker_is_damaged_is_failed_naming_the_marker(tmp_path: Path) -> None:
+    """The end marker of the snapshot of 4 with its manifest digest damaged (the record still
+    decodes): replays pass the snapshot over and rebuild every version from the log, and
+    verify fails the snapshot, naming where its end marker is, and calls no version
+    unreachable."""
+    run = _six_versions_with_a_snapshot_of_4(tmp_path)
+    with run.open_log() as log:
+        [(offset, env)] = [(o, e) for o, e in index_control(log).markers if e.kind == "SnapshotEnd"]
+    digest = env.body.manifest_digest
+    _edit_record(run, tmp_path / "rewind.db", offset, digest, bytes(b ^ 0xFF for b in digest),
+                 partition=CONTROL)
+    state, replayed = replay(run, Target("version", 6))
+    assert replayed.snapshot is None and [sid for sid, _ in replayed.passed_over] == [env.body.snapshot_id]
+    report = verify_run(run)
+    assert not report.ok and report.unreachable == [] and report.damaged == [], report.findings
+    [failed] = [f for f in report.findings if f.status == FAIL]
+    assert failed.subject == f"snapshot {env.body.snapshot_id} (version 4)"
+    assert failed.detail.endswith(f"does not match the digest in its end marker (end marker at control "
+                                  f"offset {offset}, in {tmp_path / 'rewind.db'})"), failed.detail
+
+
 def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next_snapshot(
         tmp_path: Path) -> None:
     """An optimizer step whose hyperparameters changed but still decode: its own digest check
