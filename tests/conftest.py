@@ -21,6 +21,11 @@ import pytest
 from eventlog import RunAddress
 from eventlog.settings import Settings, override
 
+#: The tree under test. Child processes (the ``rewind`` command, torchrun ranks, probes)
+#: import it too, not whichever checkout an editable install last pointed at.
+ROOT = Path(__file__).resolve().parent.parent
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+
 KAFKA = os.environ.get("REWIND_TEST_KAFKA")
 REDIS = os.environ.get("REWIND_TEST_REDIS")
 CLUSTER = os.environ.get("REWIND_TEST_KAFKA_CLUSTER")

@@ -58,6 +58,16 @@ def test_unknown_target_and_missing_run_give_one_clear_line(tmp_path: Path) -> N
     assert bad.returncode == 2 and "bad replay target 'yesterday'" in bad.stderr
 
 
+def test_child_processes_import_the_tree_under_test(tmp_path: Path) -> None:
+    """A process a test starts (the ``rewind`` script, a torchrun rank), run from anywhere,
+    imports this checkout's packages, whichever checkout an editable install last pointed
+    at (tests/conftest.py puts it first on the path)."""
+    out = subprocess.run([sys.executable, "-c", "import snapshotter.walk as w; print(w.__file__)"],
+                         capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path)
+    tree = Path(__file__).resolve().parents[1]
+    assert Path(out.stdout.strip()).resolve() == tree / "snapshotter" / "walk.py"
+
+
 def test_python_dash_m_runs_the_same_command_line(tmp_path: Path) -> None:
     """``python -m rewind.cli`` is the ``rewind`` script (it did nothing before)."""
     out = subprocess.run([sys.executable, "-m", "rewind.cli", "replay", "--run-dir", str(tmp_path / "x")],

@@ -54,7 +54,7 @@ print(extra, threads, torch.get_num_threads(), sum(e.startswith("predictive/") f
 @pytest.mark.skipif(not intraop.openmp_backend() or torch.get_num_threads() < 2,
                     reason="torch runs no OpenMP teams here")
 def test_recording_starts_no_thread_but_its_own(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = dict(os.environ)  # (the tree under test on its path: tests/conftest.py)
     env.pop("OMP_NUM_THREADS", None)
     out = subprocess.run([sys.executable, "-c", PROBE, str(tmp_path)], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300, check=True).stdout.split()

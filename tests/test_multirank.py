@@ -85,12 +85,9 @@ class Jobs:
         timeout = self.timeout
         path = self.root / "jobs.json"
         path.write_text(json.dumps(self.specs))
-        root = Path(__file__).resolve().parent.parent
-        paths = (str(root), os.environ.get("PYTHONPATH"))
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         # A session of its own: on a timeout, every process of it (launcher, agents, ranks) is
         # asked for its threads' stacks, then killed.
-        launcher = subprocess.Popen([sys.executable, str(TRAINER), str(path)], env=env, text=True,
+        launcher = subprocess.Popen([sys.executable, str(TRAINER), str(path)], text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=self.root,
                                     start_new_session=True)
         try:

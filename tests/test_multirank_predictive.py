@@ -39,10 +39,7 @@ def _run(root: Path, jobs: list[tuple[str, RunAddress, dict[str, Any]]], env: di
         for name, a, cfg in jobs]
     path = root / "jobs.json"
     path.write_text(json.dumps(specs))
-    repo = str(Path(__file__).resolve().parent.parent)
-    paths = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
-    done = subprocess.run([sys.executable, str(TRAINER), str(path)],
-                          env={**os.environ, **env, "PYTHONPATH": paths},
+    done = subprocess.run([sys.executable, str(TRAINER), str(path)], env={**os.environ, **env},
                           capture_output=True, text=True, timeout=600, cwd=root)
     assert done.returncode == 0, done.stderr[-3000:]
     outcome = json.loads(path.with_name("jobs.json.out").read_text())
