@@ -28,6 +28,7 @@ from eventlog.settings import override
 from replayer.replay import replay
 from snapshotter.catalog import DELETED_BY_RETENTION
 from snapshotter.policies import keep_last
+from snapshotter.records import DamagedRecord
 from snapshotter.store import SnapshotStore
 from snapshotter.verify import FAIL, OK, verify_run
 
@@ -129,10 +130,7 @@ def test_a_seal_damaged_in_its_digests_is_found_by_every_pass(
         assert replay(run, Target("version", 2))[1].state_digest == seal.seal.state_digest.hex()
         assert f"the seal of version 2 records state digest {bytes(16).hex()}" in caplog.text
     assert replay(run, Target("version", 3))[0].version == 3
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == lost, report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, lost):
         assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset)
         recorded = seal.seal.state_digest if lost else bytes(16)
         assert named.error.startswith("the seal of version 2 is damaged: it records state digest "
@@ -234,6 +232,18 @@ def _closed_run(tmp_path: Path, versions: int) -> RunAddress:
     return run
 
 
+def _named_by_verify(run: RunAddress, unreachable: list[int]) -> list[DamagedRecord]:
+    """The one record verify names, by its default pass and by its ``deep`` one, once each
+    has failed and called exactly ``unreachable`` unreachable."""
+    named = []
+    for deep in (False, True):
+        report = verify_run(run, deep=deep)
+        assert not report.ok and report.unreachable == unreachable, report.findings
+        [record] = report.damaged
+        named.append(record)
+    return named
+
+
 def _six_versions_with_a_snapshot_of_4(tmp_path: Path) -> RunAddress:
     """An embedded run of versions 1..6 with one snapshot, of version 4; the trainer closed."""
     run = dataclasses.replace(make_address("embedded", tmp_path),
@@ -283,10 +293,7 @@ def test_a_step_that_replays_differently_loses_only_the_versions_before_the_next
         with pytest.raises(RewindError):
             replay(run, Target("version", lost))
     assert replay(run, Target())[0].version == 6  # from the snapshot of version 4
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == [2, 3], report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, [2, 3]):
         assert (named.version, named.partition, named.offset) == (2, 0, offset)
         assert "predicted" in named.error and "differently" in named.error, named.error
 
@@ -308,10 +315,7 @@ def test_a_chunk_renamed_in_place_is_named_at_its_own_record(tmp_path: Path) -> 
         with pytest.raises(RewindError, match=re.escape(said)):
             replay(run, Target("version", lost))
     assert replay(run, Target())[0].version == 6  # from the snapshot of version 4
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == [2, 3], report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, [2, 3]):
         assert (named.version, named.partition, named.offset) == (2, 0, offset)
         assert said in named.error, named.error
 
@@ -328,10 +332,7 @@ def test_a_gradient_chunk_with_a_damaged_digest_is_named_and_loses_no_version(tm
     _edit_record(run, tmp_path / "rewind.db", offset, digest, bytes(len(digest)))
     for version in range(1, 5):
         assert replay(run, Target("version", version))[0].version == version
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == [], report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, []):
         assert (named.version, named.partition, named.offset) == (2, 0, offset)
         assert named.error.startswith("ChunkDigestError:") and bytes(len(digest)).hex() in named.error
 
@@ -350,10 +351,7 @@ def test_a_damaged_layout_is_named_and_no_version_under_it_is_called_reachable(t
            f"small states do not make its own config digest {started.body.config_digest}"
     with pytest.raises(RewindError, match=re.escape(said)):
         replay(run, Target("version", 2))
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == [1, 2, 3], report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, [1, 2, 3]):
         assert (named.version, named.partition, named.offset) == (1, CONTROL, offset)
         assert "the layout in force at version 1" in named.error, named.error
 
@@ -390,10 +388,7 @@ def test_an_event_whose_gsn_or_version_is_damaged_is_named(tmp_path: Path, field
     for version in lost[:2]:
         with pytest.raises(RewindError, match=re.escape(said)):
             replay(run, Target("version", version))
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == lost, report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, lost):
         assert (named.partition, named.offset) == (0, offset)
         assert said in named.error, named.error
 
@@ -446,10 +441,7 @@ def test_control_records_the_store_fails_to_read_are_named_and_lose_only_what_re
                 replay(run, Target("version", v))
         else:
             assert replay(run, Target("version", v))[0].version == v
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == lost, report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, lost):
         assert (named.version, named.partition, named.offset) == (3, CONTROL, after_2 + 1)
         assert named.error.startswith("CorruptStoreError: ") and \
             f"reading control offsets {after_2 + 1}..{at_3}, the records of version 3" in named.error
@@ -476,10 +468,7 @@ def test_a_seal_damaged_in_its_event_count_is_named_not_the_records(tmp_path: Pa
         for v in (2, 3, 4):
             with pytest.raises(RewindError, match=f"of the {forged[1]} events"):
                 replay(run, Target("version", v))
-        for deep in (False, True):
-            report = verify_run(run, deep=deep)
-            assert not report.ok and report.unreachable == [2, 3, 4], report.findings
-            [named] = report.damaged
+        for named in _named_by_verify(run, [2, 3, 4]):
             assert (named.version, named.partition, named.offset) == (2, CONTROL, seal.offset), named
             assert named.error.endswith("the seal's count is damaged"), named.error
 
@@ -518,10 +507,7 @@ def test_a_version_damaged_downward_loses_only_the_versions_whose_replays_reach_
     _rewrite_event(run, tmp_path / "rewind.db", offset, record.value, dataclasses.replace(env, version=2))
     for v in range(1, 7):
         assert replay(run, Target("version", v))[0].version == v
-    for deep in (False, True):
-        report = verify_run(run, deep=deep)
-        assert not report.ok and report.unreachable == [], report.findings
-        [named] = report.damaged
+    for named in _named_by_verify(run, []):
         assert (named.partition, named.offset) == (0, offset)
         assert "past the seal of its version" in named.error, named.error
 
