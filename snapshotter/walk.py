@@ -245,19 +245,16 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 rec = records.peek()
             except RewindError as exc:
                 offset = records.failed_at
-                # Every replay that reads it fails, those of the version before it too:
-                # a fold reads the first record past its target to see where it stops.
-                first = records.last_version if records.last_version is not None else since
-                damaged(_short_of(state, idx, since, newest), offset, exc)
-                whole = _short_of(state, idx, since, first) is None
-                if isinstance(exc, MissingRecordsError) and whole:
-                    # Nothing failed to read: a replay to the last version read whole meets
-                    # the record after the gap, or none, and stops there.
-                    first += 1
-                elif whole and records.last_version is not None and _replay_reads(log, starts, shard, first):
+                short = _short_of(state, idx, since, newest)
+                damaged(short, offset, exc)
+                # A replay stops reading the shard once it has applied every event its
+                # seals count: it meets this record only for a version still short here.
+                first = newest + 1 if short is None else short
+                if not isinstance(exc, MissingRecordsError) and first - 1 > since \
+                        and not _replay_reads(log, starts, shard, first - 1, offset):
                     # A damaged database fails some queries and answers others: the replay
-                    # to the last version read whole, reading as it does, met no failure.
-                    first += 1
+                    # to the version before, reading as it does, failed too.
+                    first = min(first, records.last_version or since)
                 return max(first, since), offset
             if rec is None:
                 if target == newest and _short_of(state, idx, since, newest) is not None \
@@ -294,11 +291,10 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 return env.version, applied_at
             except RewindError as exc:
                 damaged(env.version, offset, exc)
-                # A replay reaches this record only past the versions of those before it
-                # (a damaged version may be lower than theirs).
-                first = max(env.version, records.last_version or 0)
-                short = _short_of(state, idx, since, first - 1)
-                return (first if short is None else short), offset
+                # Only a replay to a version still short here reads this record (its own
+                # version may be damaged).
+                short = _short_of(state, idx, since, newest)
+                return (newest + 1 if short is None else short), offset
             if state.applied_gsn == env.gsn:
                 applied_at = offset
             records.take()
@@ -342,17 +338,18 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
     return None
 
 
-def _replay_reads(log: EventLog, starts: Starts, shard: int, version: int) -> bool:
+def _replay_reads(log: EventLog, starts: Starts, shard: int, version: int, failed: int | None) -> bool:
     """Whether a replay to ``version`` reads the shard's records without an error, reading
     them as it does: from the newest snapshot at or before it (or the log's start) up to the
-    first record past it. Its contents were checked already; only the store's answer is."""
+    record before ``failed``, where it has every event its seals count. Their contents were
+    checked already; only the store's answer is."""
     point = starts.before(version)
     if point is None and not starts.from_log_start:
         return False
     gt = None if point is None or point.end is None else point.end.next_offsets[shard + 1] - 1
     try:
-        for _, _, env in events(log, shard, gt=gt, lte=log.end_offset(shard) - 1):
-            if env.version > version:
+        for offset, _, env in events(log, shard, gt=gt, lte=log.end_offset(shard) - 1):
+            if env.version > version or (failed is not None and offset + 1 >= failed):
                 break
     except RewindError:
         return False

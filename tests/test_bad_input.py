@@ -50,7 +50,7 @@ from eventlog.events import TensorDelta
 from eventlog.fold.engine import rebuild
 from rewind.recorder import Recorder
 
-from .storage import inline_segments
+from .storage import plain_records
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -90,7 +90,7 @@ def record(tmp_path: Path, run_id: str = "alpha", versions: int = 3, seed: int =
                 model.counts[v] += 1
             rec.commit(step=100 + v, metrics={"loss": 1.0 / (v + 1)}, wait=True)
     settle(db)
-    inline_segments(db)  # every message in table records, where the cases damage it
+    plain_records(db)  # every message in table records, where the cases damage it
     return Run(db, url, run_id, model)
 
 

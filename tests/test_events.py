@@ -49,7 +49,7 @@ from eventlog.events import (
     TensorSpec,
 )
 
-from .storage import inline_segments
+from .storage import plain_records
 
 GOLDEN_DIR = Path(__file__).resolve().parent / "data" / "v1"
 CURRENT_DIR = Path(__file__).resolve().parent / "data" / f"v{schemas.SCHEMA_VERSION}"
@@ -399,7 +399,7 @@ def test_real_recorded_messages_decode_with_apache_avro(tmp_path: Path) -> None:
             opt.step()
             rec.commit(step, {"loss": 1.0 / (step + 1)}, wait=True)
     schema = avro_envelope_schema()
-    inline_segments(tmp_path / "rewind.db")
+    plain_records(tmp_path / "rewind.db")
     with sqlite3.connect(tmp_path / "rewind.db") as db:
         rows = db.execute("SELECT partition, offset, value FROM records WHERE run='interop'").fetchall()
     seen = set()

@@ -22,7 +22,7 @@ from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 
 from .conftest import make_address
-from .storage import inline_segments
+from .storage import plain_records
 
 
 @pytest.fixture
@@ -188,7 +188,7 @@ def test_a_damaged_tail_covered_by_a_snapshot_is_resynced(tmp_path: Path) -> Non
             assert snap.snapshot(force=True) is not None
         with run.open_log() as log:
             offset = next(o for o, _, env in events(log, 0) if env.version == 2)
-        inline_segments(path_from_url(run.log_url))
+        plain_records(path_from_url(run.log_url))
         with sqlite3.connect(path_from_url(run.log_url)) as db:  # flip a payload byte
             (value,) = db.execute("SELECT value FROM records WHERE run=? AND partition=0 AND "
                                   "offset=?", (run.run_id, offset)).fetchone()

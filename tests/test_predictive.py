@@ -25,7 +25,7 @@ from replayer.replay import replay, state_dicts
 from rewind.recorder import Recorder
 from rewind.results import CommitResult
 
-from .storage import inline_segments
+from .storage import plain_records
 
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
@@ -403,7 +403,7 @@ def test_batched_tiled_steps_replay_the_bits_of_one_step_at_a_time(
             live.assert_every_version_replays_exactly(address)
         assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
         batches.clear()
-        inline_segments(path_from_url(address.log_url))
+        plain_records(path_from_url(address.log_url))
     live.assert_every_version_replays_exactly(address)
     assert any(len(b) > 1 for b in batches) and any(b[0] > 2 for b in batches), batches
 
@@ -487,7 +487,7 @@ def test_a_damaged_gradient_chunk_is_refused_naming_its_place(
 
     configure(grad_compression=compression)
     address, db = _trained_embedded_run(tmp_path, "grads", 4)
-    inline_segments(db)
+    plain_records(db)
     with sqlite3.connect(db) as c:
         rows = c.execute("SELECT partition, offset, value FROM records "
                          "WHERE run='grads' AND partition>=0").fetchall()

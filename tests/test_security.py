@@ -24,7 +24,7 @@ from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 
 from .conftest import make_address
-from .storage import inline_segments
+from .storage import plain_records
 from .test_snapshotter import Trainer, _bit_equal
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,7 +83,7 @@ def test_encrypted_run_recovers_bit_exactly_and_a_wrong_key_is_refused(run: RunA
         trainer.rec.close()
         model = state_dicts(replay(run, Target())[0])["model"]
         assert _bit_equal(model, trainer.states[4])
-    inline_segments(Path(run.log_url[len("sqlite://"):]))  # segment files' bytes included
+    plain_records(Path(run.log_url[len("sqlite://"):]))  # segment files' bytes included
     with sqlite3.connect(run.log_url[len("sqlite://"):]) as db:
         values = [bytes(v) for (v,) in db.execute("SELECT value FROM records")]
     plain = trainer.states[4]["0.weight"].numpy().tobytes()[:64]
@@ -101,7 +101,7 @@ def _record_encrypted(run: RunAddress, ring: Keyring, versions: int) -> str:
         trainer = Trainer(run)
         trainer.train(versions)
         trainer.rec.close()
-    inline_segments(Path(run.log_url[len("sqlite://"):]))  # every message where SQL reaches it
+    plain_records(Path(run.log_url[len("sqlite://"):]))  # every message where SQL reaches it
     return run.log_url[len("sqlite://"):]
 
 

@@ -9,12 +9,14 @@ truncated log gives its disk space back; a file written before segments still re
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -480,11 +482,11 @@ def test_a_rolled_back_transaction_leaves_bytes_that_no_reader_sees(tmp_path: Pa
 
 
 def test_a_flipped_byte_in_a_segment_file_is_named_by_the_replay(tmp_path: Path) -> None:
-    """A damaged gradient inside a segment file: the replay fails naming the place, and
-    the log is left as it was."""
+    """A damaged gradient inside a segment file: the replay fails naming the record and its
+    file (its bytes do not make their row's checksum), and the log is left as it was."""
     import torch
 
-    from eventlog import CorruptMessageError, RunAddress, Target
+    from eventlog import RunAddress, Target
     from replayer.replay import replay
     from rewind.recorder import Recorder
 
@@ -514,10 +516,10 @@ def test_a_flipped_byte_in_a_segment_file_is_named_by_the_replay(tmp_path: Path)
         f.seek(at)
         f.write(np.float32(1e3).tobytes())
     before = seg.read_bytes()
-    with pytest.raises(CorruptMessageError) as info:
+    with pytest.raises(CorruptStoreError) as info:
         replay(address, Target())
-    msg = str(info.value)
-    assert f"run 'flip' shard 0 offset {offset}" in msg and repr(env.body.name) in msg, msg
+    assert str(info.value) == f"run 'flip' partition 0 offset {offset} (in {seg}): the record's bytes " \
+                              "do not make the checksum its row holds: they are damaged"
     assert seg.read_bytes() == before
 
 
@@ -649,6 +651,93 @@ def test_the_database_names_its_format_and_a_newer_one_is_refused(tmp_path: Path
         assert c.execute("PRAGMA user_version").fetchone()[0] == embedded.FORMAT + 1
         assert c.execute("SELECT COUNT(*) FROM records").fetchone()[0] == 2
     c.close()
+
+
+def test_records_from_before_checksums_read_unchecked_and_new_ones_are_checked(tmp_path: Path) -> None:
+    """A database of format 1 (no checksum column): opened read-only, it is read as it is;
+    opened to write, it gains the column (format 2), its old records still read, unchecked,
+    and a record appended then is checked: a flipped byte in it is named, in its segment
+    file or in the database, while the old records read on."""
+    from eventlog import embedded
+
+    db = tmp_path / "old.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0)])
+    log.close()
+    with closing(sqlite3.connect(db)) as c, c:
+        c.execute("ALTER TABLE records DROP COLUMN sum")  # as a file written before checksums
+        c.execute("PRAGMA user_version=1")
+
+    def formats() -> tuple[int, bool]:
+        with closing(sqlite3.connect(db)) as c:
+            return (c.execute("PRAGMA user_version").fetchone()[0],
+                    any(row[1] == "sum" for row in c.execute("PRAGMA table_info(records)")))
+
+    with EmbeddedLog(f"sqlite://{db}", "r", read_only=True) as old:
+        assert [bytes(d.value.body.payload) for d in old.scan_decoded(0, _decode)] == [_payload(0)]
+    assert formats() == (1, False)
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    _append(log, [_payload(1)])
+    log.close()
+    assert formats() == (embedded.FORMAT, True)
+    with closing(sqlite3.connect(db)) as c:
+        assert c.execute("SELECT partition, offset, sum IS NULL FROM records ORDER BY partition, offset"
+                         ).fetchall() == [(-1, 0, 1), (-1, 1, 0), (0, 0, 1), (0, 1, 0)]
+        (name, pos, length) = c.execute("SELECT file, pos, length FROM extents WHERE offset=1").fetchone()
+    seg = next(Path(f"{db}.segments").rglob(name))
+    with open(seg, "r+b") as f:  # a byte of its envelope, before the payload
+        f.seek(pos + 12)
+        byte = f.read(1)
+        f.seek(pos + 12)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with sqlite3.connect(db) as c:
+        c.execute("UPDATE records SET value=x'736d616c6d' WHERE partition=-1 AND offset=1")  # "small"
+    c.close()
+    with EmbeddedLog(f"sqlite://{db}", "r") as log:
+        assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, lte=0)] == [_payload(0)]
+        assert [r.value for r in log.read(CONTROL, lte=0)] == [b"small"]
+        damaged = " the record's bytes do not make the checksum its row holds: they are damaged"
+        with pytest.raises(CorruptStoreError, match=re.escape(f"partition 0 offset 1 (in {seg}):{damaged}")):
+            list(log.scan_decoded(0, _decode))
+        with pytest.raises(CorruptStoreError, match=re.escape(f"partition -1 offset 1 (in {db}):{damaged}")):
+            log.read(CONTROL)
+
+
+def test_moving_records_into_sqlite_checks_them_and_keeps_them_checked(tmp_path: Path) -> None:
+    """``inline_segments`` refuses a record whose envelope in its segment file fails its
+    checksum, naming it; the records it moves keep a checksum of all their bytes, so a byte
+    damaged anywhere in one, its payload too, is named as the store's."""
+    from eventlog import embedded
+
+    db = tmp_path / "i.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0), _payload(1)])
+    log.close()
+    with closing(sqlite3.connect(db)) as c:
+        rows = c.execute("SELECT file, pos FROM extents ORDER BY offset").fetchall()
+    (name, pos) = rows[1]
+    seg = next(Path(f"{db}.segments").rglob(name))
+    intact = seg.read_bytes()
+    seg.write_bytes(intact[:pos + 12] + bytes([intact[pos + 12] ^ 1]) + intact[pos + 13:])
+    with pytest.raises(CorruptStoreError, match=re.escape(
+            f"run 'r' partition 0 offset 1 (in segment file {name}): the record's bytes do not make "
+            "the checksum its row holds")):
+        embedded.inline_segments(db)
+    seg.write_bytes(intact)
+    assert embedded.inline_segments(db) == 2
+    with EmbeddedLog(f"sqlite://{db}", "r") as log:
+        payloads = [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode)]
+    assert payloads == [_payload(0), _payload(1)]
+    with closing(sqlite3.connect(db)) as c, c:
+        (value,) = c.execute("SELECT value FROM records WHERE partition=0 AND offset=0").fetchone()
+        middle = len(value) // 2  # in the payload
+        c.execute("UPDATE records SET value=? WHERE partition=0 AND offset=0",
+                  (value[:middle] + bytes([value[middle] ^ 1]) + value[middle + 1:],))
+    with EmbeddedLog(f"sqlite://{db}", "r") as log, pytest.raises(CorruptStoreError, match=re.escape(
+            f"run 'r' partition 0 offset 0 (in {db}): the record's bytes do not make the checksum")):
+        list(log.scan_decoded(0, _decode))
 
 
 def test_a_read_only_database_from_before_the_marker_still_opens(

@@ -12,7 +12,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ParamSpec, TypeVar
 
+import xxhash
+
 from eventlog.errors import CorruptStoreError, EventLogError, RewindError, RunNotFoundError
+from eventlog.ports import MessageBytes
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -23,7 +26,7 @@ CREATE TABLE IF NOT EXISTS partitions (
     run TEXT, partition INTEGER, next_offset INTEGER NOT NULL, start_offset INTEGER NOT NULL,
     PRIMARY KEY (run, partition));
 CREATE TABLE IF NOT EXISTS records (
-    run TEXT, partition INTEGER, offset INTEGER, value BLOB NOT NULL,
+    run TEXT, partition INTEGER, offset INTEGER, value BLOB NOT NULL, sum INTEGER,
     PRIMARY KEY (run, partition, offset));
 CREATE TABLE IF NOT EXISTS extents (run TEXT, partition INTEGER, offset INTEGER,
     file TEXT NOT NULL, pos INTEGER NOT NULL, length INTEGER NOT NULL, bulk INTEGER NOT NULL,
@@ -49,12 +52,48 @@ def path_from_url(url: str) -> Path:
 
 
 #: The layout of an embedded database, kept in SQLite's ``user_version``: 1 = tensor chunks
-#: may live in segment files (``extents``). Files from before the marker read 0 and are
-#: marked on open (this version reads both layouts; a read-only file is read unmarked). A
-#: file marked newer is refused when it is opened: a newer layout may keep messages where
-#: this version would read empty values. (A process that has it open already is not told
-#: of a later upgrade.)
-FORMAT = 1
+#: may live in segment files (``extents``); 2 = each record's row holds a checksum of it
+#: (``records.sum``, see ``record_sum``), checked on every read. Older files are
+#: brought up to it on open (their rows hold no checksum and are read unchecked; a
+#: read-only file is read as it is). A file marked newer is refused when it is opened: a
+#: newer layout may keep messages where this version would read empty values. (A process
+#: that has it open already is not told of a later upgrade.)
+FORMAT = 2
+
+
+#: A record kept in a segment file (a tensor chunk) is checksummed by its first and last
+#: this many bytes: its envelope (the payload's own digest checks the bytes between once
+#: decoded, so a replay does not pass over them twice).
+SUM_ENDS = 4096
+
+
+def record_sum(message: MessageBytes | memoryview, ends: int | None = None) -> int:
+    """The checksum of a record, as SQLite's signed 64-bit integer: the xxh3-64 of its bytes,
+    or, with ``ends``, of its first and last ``ends`` bytes (all of them when it is no longer
+    than twice that). Without it a flipped byte in a record's envelope (its gsn or version)
+    can decode and mislead the fold; with it the store names the very record."""
+    parts = message if isinstance(message, tuple) else (message,)
+    size = sum(len(p) for p in parts)
+    h = xxhash.xxh3_64()
+    if ends is None or size <= 2 * ends:
+        for part in parts:
+            h.update(part)
+    else:
+        h.update(_span(parts, 0, ends))
+        h.update(_span(parts, size - ends, size))
+    value = h.intdigest()
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _span(parts: tuple[bytes | memoryview, ...], start: int, stop: int) -> bytes:
+    """Bytes ``start:stop`` of the message made of ``parts`` (copied; a few KiB)."""
+    out, at = [], 0
+    for part in parts:
+        lo, hi = max(start - at, 0), min(stop - at, len(part))
+        if lo < hi:
+            out.append(bytes(part[lo:hi]))
+        at += len(part)
+    return b"".join(out)
 
 
 class Database:
@@ -110,6 +149,8 @@ class Database:
             c.execute("BEGIN IMMEDIATE")
             try:
                 if self._check_format(c) < FORMAT:
+                    if not _has_column(c, "records", "sum"):
+                        c.execute("ALTER TABLE records ADD COLUMN sum INTEGER")
                     c.execute(f"PRAGMA user_version={FORMAT}")
             except BaseException:
                 c.execute("ROLLBACK")
@@ -139,6 +180,14 @@ class Database:
         except UnicodeDecodeError as exc:
             raise self.wrap(driver_error(exc)) from exc
         return c
+
+    def records_have_sums(self) -> bool:
+        """Whether ``records`` has the checksum column (a read-only file from before format
+        2 has not)."""
+        known: bool | None = getattr(self, "_sums", None)
+        if known is None:
+            known = self._sums = _has_column(self.conn(), "records", "sum")
+        return known
 
     def records_have_rowid(self) -> bool:
         """Whether ``records`` is a rowid table (files made before it was are WITHOUT ROWID,
@@ -227,3 +276,7 @@ def _journal_wal(c: sqlite3.Connection) -> None:
             if "locked" not in str(exc) or attempt == 599:
                 raise
             time.sleep(0.05)
+
+
+def _has_column(c: sqlite3.Connection, table: str, column: str) -> bool:
+    return any(row[1] == column for row in c.execute(f"PRAGMA table_info({table})"))

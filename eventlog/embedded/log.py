@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from eventlog import segments
-from eventlog.embedded.db import Database, path_from_url, wrapped
+from eventlog.embedded.db import SUM_ENDS, Database, path_from_url, record_sum, wrapped
 from eventlog.embedded.reader import RunReader
 from eventlog.embedded.writer import EmbeddedWriter
-from eventlog.errors import EventLogError
+from eventlog.errors import CorruptStoreError, EventLogError
 from eventlog.ports import CONTROL, Decoded, Decoder, EventLog, LogWriter, Record
 from eventlog.settings import current
 
@@ -149,14 +149,20 @@ def inline_segments(path: Path, segments_of: Path | None = None) -> int:
     db = Database(path, EventLogError)
     try:
         with db.txn() as c:
-            rows = c.execute("SELECT run, partition, offset, file, pos, length FROM extents").fetchall()
+            rows = c.execute("SELECT e.run, e.partition, e.offset, e.file, e.pos, e.length, r.sum "
+                             "FROM extents e JOIN records r ON r.run=e.run AND r.partition=e.partition "
+                             "AND r.offset=e.offset").fetchall()
             readers: dict[str, segments.Reader] = {}  # one per run: each file is mapped once
-            for run, partition, offset, name, pos, length in rows:
+            for run, partition, offset, name, pos, length, want in rows:
                 where = f"run {run!r} partition {partition} offset {offset}"
                 reader = readers.setdefault(run, segments.Reader(segments.directory(source, run)))
                 value = bytes(reader.view(name, pos, length, where))
-                c.execute("UPDATE records SET value=? WHERE run=? AND partition=? AND offset=?",
-                          (value, run, partition, offset))
+                if want is not None and record_sum(value, SUM_ENDS) != want:
+                    raise CorruptStoreError(f"{where} (in segment file {name}): the record's bytes do not "
+                                            "make the checksum its row holds: they are damaged")
+                # (In SQLite, a record's checksum is of all its bytes.)
+                c.execute("UPDATE records SET value=?, sum=? WHERE run=? AND partition=? AND offset=?",
+                          (value, None if want is None else record_sum(value), run, partition, offset))
             c.execute("DELETE FROM extents")
             for reader in readers.values():
                 reader.close()

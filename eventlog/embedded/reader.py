@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from eventlog import segments
-from eventlog.embedded.db import Database, wrapped
+from eventlog.embedded.db import SUM_ENDS, Database, record_sum, wrapped
 from eventlog.errors import CorruptMessageError, CorruptStoreError, RewindError, TruncatedHistoryError
 from eventlog.ports import Decoded, Decoder, MessageStream, Record, paged
 
@@ -81,20 +81,37 @@ class ViewStream:
 
 
 class Stored(NamedTuple):
-    """Where one record's bytes are: a SQLite blob, or a view of a segment file."""
+    """Where one record's bytes are: a SQLite blob, or a view of a segment file; and the
+    checksum its row holds (``None``: a row from before checksums)."""
 
     blob: sqlite3.Blob | None
     view: memoryview | None
     bulk_at: int
     db: Database
     error: RewindError | None = None  # the record cannot be read (``_stored(lazy_errors=True)``)
+    sum: int | None = None
+    where: str = ""  # the record and its file, for the checksum's error
 
     def size(self) -> int:
         return len(self.blob) if self.blob is not None else len(self.view or b"")
 
     def value(self) -> bytes:
-        """The record's bytes (a copy)."""
-        return self.blob.read() if self.blob is not None else bytes(self.view or b"")
+        """The record's bytes (a copy), checked against its checksum."""
+        value = self.blob.read() if self.blob is not None else bytes(self.view or b"")
+        self._check(value)
+        return value
+
+    def _check(self, data: bytes | memoryview | None = None) -> None:
+        """Raise unless the record's bytes (``data``, or read for it) make its checksum: all
+        of a blob's, a segment record's ends (see ``record_sum``)."""
+        if self.sum is None:
+            return
+        if data is None and self.blob is not None:
+            data = _blob_bytes(self.blob, self.db)
+        data = data if data is not None else (self.view or b"")
+        if record_sum(data, SUM_ENDS if self.view is not None else None) != self.sum:
+            raise CorruptStoreError(f"{self.where}: the record's bytes do not make the checksum its "
+                                    "row holds: they are damaged")
 
     def stream(self) -> MessageStream:
         if self.blob is not None:
@@ -105,12 +122,24 @@ class Stored(NamedTuple):
         """The record decoded by ``decode``. A segment record whose bytes do not decode with
         its bulk hint is decoded again without it: the hint is the database's, and damage
         there must not make intact bytes unreadable."""
+        self._check()
         try:
             return decode(self.stream(), self.size(), offset)
         except CorruptMessageError:
             if self.view is None or self.bulk_at < 0:
                 raise
             return decode(ViewStream(self.view, -1), self.size(), offset)
+
+
+def _blob_bytes(blob: sqlite3.Blob, db: Database) -> bytes:
+    """A whole blob, read for its checksum (the blob is left at its start for the decoder)."""
+    try:
+        blob.seek(0)
+        data = blob.read()
+        blob.seek(0)
+    except sqlite3.Error as exc:
+        raise db.wrap(exc) from exc
+    return data
 
 
 class Located(NamedTuple):
@@ -235,10 +264,11 @@ class RunReader:
         if own:
             conn.execute("BEGIN")
         try:
+            sums = "r.sum" if self._db.records_have_sums() else "NULL"
             # The rows reached by rowid (rr, ee) say whose they are: see ``_misled``.
             rows = conn.execute(
                 "SELECT r.rowid, r.offset, e.file, e.pos, e.length, e.bulk, e.rowid IS NOT NULL, "
-                "rr.run, rr.partition, rr.offset, ee.run, ee.partition, ee.offset FROM records r "
+                f"rr.run, rr.partition, rr.offset, ee.run, ee.partition, ee.offset, {sums} FROM records r "
                 "LEFT JOIN extents e ON e.run=r.run AND e.partition=r.partition AND e.offset=r.offset "
                 "LEFT JOIN records rr ON rr.rowid=r.rowid LEFT JOIN extents ee ON ee.rowid=e.rowid "
                 "WHERE r.run=? AND r.partition=? AND r.offset>? AND r.offset<=? ORDER BY r.offset LIMIT ?",
@@ -247,7 +277,9 @@ class RunReader:
             out = []
             low = -1 if gt is None else gt
             misled = self._misled(partition, rows)
-            for rowid, o, file, pos, length, bulk, *_ in rows:
+            for rowid, o, file, pos, length, bulk, *_, want in rows:
+                where = f"run {self.run_id!r} partition {partition} offset {o} " \
+                        f"(in {self._db.path if file is None else self._segments_root / str(file)})"
                 if not low < int(o) <= (1 << 62 if lte is None else lte):
                     # Only a damaged index returns a row outside the range it was asked for.
                     raise CorruptStoreError(f"embedded database {self._db.path} is damaged: run "
@@ -269,10 +301,10 @@ class RunReader:
                     out.append(each(Stored(None, None, 0, self._db, error.with_traceback(None)), int(o)))
                     continue
                 if blob is None:
-                    out.append(each(Stored(None, view, int(bulk), self._db), int(o)))
+                    out.append(each(Stored(None, view, int(bulk), self._db, None, want, where), int(o)))
                     continue
                 with blob:
-                    out.append(each(Stored(blob, None, 0, self._db), int(o)))
+                    out.append(each(Stored(blob, None, 0, self._db, None, want, where), int(o)))
             if own:
                 conn.execute("COMMIT")  # read only: ends the snapshot, writes nothing
         except BaseException:

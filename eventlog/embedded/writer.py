@@ -12,10 +12,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eventlog import segments
-from eventlog.embedded.db import Database
+from eventlog.embedded.db import SUM_ENDS, Database, record_sum
 from eventlog.errors import ConfigError, EventLogError, FencedError
 from eventlog.ports import LogTransaction, LogWriter, MessageBytes, joined, message_size
 from eventlog.settings import current
+
+_INSERT = "INSERT INTO records (run, partition, offset, value, sum) VALUES (?,?,?,?,?)"
 
 
 class EmbeddedTransaction(LogTransaction):
@@ -42,9 +44,8 @@ class EmbeddedTransaction(LogTransaction):
                 and self._db.records_have_rowid():
             self._out_of_line(partition, nxt, value, bulk_at)
         else:
-            self._conn.execute(
-                "INSERT INTO records VALUES (?,?,?,?)", (self._run_id, partition, nxt, joined(value))
-            )
+            data = joined(value)
+            self._conn.execute(_INSERT, (self._run_id, partition, nxt, data, record_sum(data)))
         self._next[partition] = nxt + 1
 
     def _out_of_line(self, partition: int, offset: int, value: MessageBytes, bulk_at: int) -> None:
@@ -60,7 +61,7 @@ class EmbeddedTransaction(LogTransaction):
             self._segment[partition] = None if row is None else str(row[0])
         name, pos = self._appender.append(self._segment[partition], partition, offset, value, bulk_at)
         self._segment[partition] = name
-        self._conn.execute("INSERT INTO records VALUES (?,?,?,?)", (run, partition, offset, b""))
+        self._conn.execute(_INSERT, (run, partition, offset, b"", record_sum(value, SUM_ENDS)))
         self._conn.execute("INSERT INTO extents VALUES (?,?,?,?,?,?,?)",
                            (run, partition, offset, name, pos, message_size(value), bulk_at))
 

@@ -278,6 +278,14 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
     ``version``, polling the end offset again while the seal counts more (see there).
     Returns the first event past ``version`` and its offset, where it stopped at one."""
     sealed = {v: s.gsn for v, s in idx.seals.items() if v <= version}
+    # The events the seals of the versions to fold count on this shard and the fold has not
+    # applied: once none is owed, it stops, without reading the record after them (which
+    # may be damaged, and belongs to a later version).
+    counts = {v: s.seal.shard_counts[state.shard] for v, s in idx.seals.items()
+              if since_version < v <= version and state.shard < len(s.seal.shard_counts)}
+    owed = sum(max(0, n - state.applied_per_version.get(v, 0)) for v, n in counts.items())
+    if version > since_version and owed == 0:
+        return None
     deadline: float | None = None
     afresh = False
     while True:
@@ -291,11 +299,15 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
                 past = offset, env
                 break
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
-            state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
+            outcome = state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
             state.next_offset = offset + 1
             gt = offset
             if on_bytes is not None:
                 on_bytes(nbytes)
+            if outcome == APPLIED and state.applied_per_version[env.version] <= counts.get(env.version, 0):
+                owed -= 1
+                if owed == 0:
+                    return None
         if done or version <= since_version or not _short(state, idx, version):
             return past
         now = time.monotonic()
