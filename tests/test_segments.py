@@ -301,6 +301,25 @@ def test_a_damaged_bulk_hint_does_not_make_intact_bytes_unreadable(tmp_path: Pat
     log.close()
 
 
+def test_a_damaged_extent_that_holds_no_integer_is_named(tmp_path: Path) -> None:
+    """An extent row whose length reads back as text (a damaged page): reading the record is
+    a ``CorruptStoreError`` naming it, and a scan that stops before it reads on."""
+    db = tmp_path / "x.db"
+    log = EmbeddedLog(f"sqlite://{db}", "r")
+    log.create(1)
+    _append(log, [_payload(0), _payload(1)])
+    log.close()
+    with closing(sqlite3.connect(db)) as c, c:
+        c.execute("UPDATE extents SET length=? WHERE partition=0 AND offset=1", ("\x04C",))
+    with EmbeddedLog(f"sqlite://{db}", "r") as log:
+        assert [bytes(d.value.body.payload) for d in log.scan_decoded(0, _decode, lte=0)] == [_payload(0)]
+        with pytest.raises(CorruptStoreError, match=re.escape(
+                f"embedded database {db} is damaged: the extent of run 'r' partition 0 offset 1 (in ")
+                ) as info:
+            log.read(0)
+        assert str(info.value).endswith("holds '\\x04C', not an integer"), info.value
+
+
 def test_truncation_deletes_the_files_wholly_below_the_new_start(
         tmp_path: Path, configure: Callable[..., Settings]) -> None:
     configure(embedded_segment_bytes=100_000)  # two 40 KB chunks a file

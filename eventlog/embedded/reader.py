@@ -278,19 +278,22 @@ class RunReader:
             low = -1 if gt is None else gt
             misled = self._misled(partition, rows)
             for rowid, o, file, pos, length, bulk, *_, want in rows:
+                o = self._integer(o, f"partition {partition} lists an offset of")
                 where = f"run {self.run_id!r} partition {partition} offset {o} " \
                         f"(in {self._db.path if file is None else self._segments_root / str(file)})"
-                if not low < int(o) <= (1 << 62 if lte is None else lte):
+                if not low < o <= (1 << 62 if lte is None else lte):
                     # Only a damaged index returns a row outside the range it was asked for.
                     raise CorruptStoreError(f"embedded database {self._db.path} is damaged: run "
                                             f"{self.run_id!r} partition {partition} lists offset {o} "
                                             f"after {low}")
                 view, blob = None, None
                 try:  # (opening only: an error from ``each`` is never deferred)
-                    if int(o) in misled:
-                        raise misled[int(o)]
+                    if o in misled:
+                        raise misled[o]
                     if file is not None:
-                        view = self._segment_view(partition, int(o), str(file), int(pos), int(length))
+                        pos, length, bulk = (self._integer(v, f"the extent of {where} holds")
+                                             for v in (pos, length, bulk))
+                        view = self._segment_view(partition, o, str(file), pos, length)
                     else:
                         blob = conn.blobopen("records", "value", rowid, readonly=True)
                 except (RewindError, sqlite3.Error) as exc:
@@ -298,13 +301,13 @@ class RunReader:
                         raise
                     error = self._db.wrap(exc) if isinstance(exc, sqlite3.Error) else exc
                     # (no traceback: it would keep this frame, and the page, alive)
-                    out.append(each(Stored(None, None, 0, self._db, error.with_traceback(None)), int(o)))
+                    out.append(each(Stored(None, None, 0, self._db, error.with_traceback(None)), o))
                     continue
                 if blob is None:
-                    out.append(each(Stored(None, view, int(bulk), self._db, None, want, where), int(o)))
+                    out.append(each(Stored(None, view, bulk, self._db, None, want, where), o))
                     continue
                 with blob:
-                    out.append(each(Stored(blob, None, 0, self._db, None, want, where), int(o)))
+                    out.append(each(Stored(blob, None, 0, self._db, None, want, where), o))
             if own:
                 conn.execute("COMMIT")  # read only: ends the snapshot, writes nothing
         except BaseException:
@@ -312,6 +315,14 @@ class RunReader:
                 conn.execute("ROLLBACK")
             raise
         return out
+
+    def _integer(self, value: object, what: str) -> int:
+        """A row's integer column, or the error naming the damage (a damaged page can hand
+        back text or a blob where SQLite stored an integer)."""
+        if isinstance(value, int):
+            return value
+        raise CorruptStoreError(f"embedded database {self._db.path} is damaged: {what} {value!r}, "
+                                "not an integer")
 
     def _misled(self, partition: int, rows: list[Any]) -> dict[int, CorruptStoreError]:
         """The offsets among ``rows`` (from ``_stored``'s lookup) whose index entry leads to
@@ -321,7 +332,9 @@ class RunReader:
         themselves, joined again by rowid, say whose they are."""
         misled: dict[int, CorruptStoreError] = {}
         for row in rows:
-            offset, want = int(row[1]), (self.run_id, partition, int(row[1]))
+            if not isinstance(row[1], int):
+                continue  # (``_stored`` names it)
+            offset, want = row[1], (self.run_id, partition, row[1])
             for table, found in (("records", tuple(row[7:10])), ("extents", tuple(row[10:13]))):
                 if table == "extents" and not row[6] or found == want:
                     continue
