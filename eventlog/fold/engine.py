@@ -227,7 +227,8 @@ def fold_shard(
     board: WorkBoard | None = None,
     base_layout: RunStarted | None = None,
 ) -> ShardState:
-    """Apply shard ``state.shard``'s events up to ``version``; stops at the first newer one.
+    """Apply shard ``state.shard``'s events up to ``version``; stops once every event the
+    seals of the versions it folds count on this shard is applied, or at the first newer one.
 
     Partitions of one transaction may become visible a moment apart (each gets its own
     commit marker), so while the target's seal counts more events than were seen, the
