@@ -85,6 +85,12 @@ def record_sum(message: MessageBytes | memoryview, ends: int | None = None) -> i
     return value - (1 << 64) if value >= 1 << 63 else value
 
 
+def checksum_mismatch(where: str) -> CorruptStoreError:
+    """The error for a record (``where``: it and its file) whose bytes fail its checksum."""
+    return CorruptStoreError(f"{where}: the record's bytes do not make the checksum its row holds: "
+                             "they are damaged")
+
+
 def _span(parts: tuple[bytes | memoryview, ...], start: int, stop: int) -> bytes:
     """Bytes ``start:stop`` of the message made of ``parts`` (copied; a few KiB)."""
     out, at = [], 0

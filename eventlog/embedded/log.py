@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from eventlog import segments
-from eventlog.embedded.db import SUM_ENDS, Database, path_from_url, record_sum, wrapped
+from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, path_from_url, record_sum, wrapped
 from eventlog.embedded.reader import RunReader
 from eventlog.embedded.writer import EmbeddedWriter
-from eventlog.errors import CorruptStoreError, EventLogError
+from eventlog.errors import EventLogError
 from eventlog.ports import CONTROL, Decoded, Decoder, EventLog, LogWriter, Record
 from eventlog.settings import current
 
@@ -158,8 +158,7 @@ def inline_segments(path: Path, segments_of: Path | None = None) -> int:
                 reader = readers.setdefault(run, segments.Reader(segments.directory(source, run)))
                 value = bytes(reader.view(name, pos, length, where))
                 if want is not None and record_sum(value, SUM_ENDS) != want:
-                    raise CorruptStoreError(f"{where} (in segment file {name}): the record's bytes do not "
-                                            "make the checksum its row holds: they are damaged")
+                    raise checksum_mismatch(f"{where} (in segment file {name})")
                 # (In SQLite, a record's checksum is of all its bytes.)
                 c.execute("UPDATE records SET value=?, sum=? WHERE run=? AND partition=? AND offset=?",
                           (value, None if want is None else record_sum(value), run, partition, offset))

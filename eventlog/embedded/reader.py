@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from eventlog import segments
-from eventlog.embedded.db import SUM_ENDS, Database, record_sum, wrapped
+from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, record_sum, wrapped
 from eventlog.errors import CorruptMessageError, CorruptStoreError, RewindError, TruncatedHistoryError
 from eventlog.ports import Decoded, Decoder, MessageStream, Record, paged
 
@@ -101,17 +101,19 @@ class Stored(NamedTuple):
         self._check(value)
         return value
 
-    def _check(self, data: bytes | memoryview | None = None) -> None:
+    def _check(self, data: bytes | memoryview | None = None) -> bytes | None:
         """Raise unless the record's bytes (``data``, or read for it) make its checksum: all
-        of a blob's, a segment record's ends (see ``record_sum``)."""
+        of a blob's, a segment record's ends (see ``record_sum``). Returns a blob's bytes
+        if it read them, for the decoder to read from instead of the blob again."""
         if self.sum is None:
-            return
+            return None
+        read = None
         if data is None and self.blob is not None:
-            data = _blob_bytes(self.blob, self.db)
+            data = read = _blob_bytes(self.blob, self.db)
         data = data if data is not None else (self.view or b"")
         if record_sum(data, SUM_ENDS if self.view is not None else None) != self.sum:
-            raise CorruptStoreError(f"{self.where}: the record's bytes do not make the checksum its "
-                                    "row holds: they are damaged")
+            raise checksum_mismatch(self.where)
+        return read
 
     def stream(self) -> MessageStream:
         if self.blob is not None:
@@ -122,9 +124,9 @@ class Stored(NamedTuple):
         """The record decoded by ``decode``. A segment record whose bytes do not decode with
         its bulk hint is decoded again without it: the hint is the database's, and damage
         there must not make intact bytes unreadable."""
-        self._check()
+        read = self._check()
         try:
-            return decode(self.stream(), self.size(), offset)
+            return decode(self.stream() if read is None else io.BytesIO(read), self.size(), offset)
         except CorruptMessageError:
             if self.view is None or self.bulk_at < 0:
                 raise
