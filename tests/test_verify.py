@@ -511,10 +511,12 @@ def test_a_version_damaged_downward_loses_only_the_versions_whose_replays_reach_
         assert "past the seal of its version" in named.error, named.error
 
 
-def test_a_damaged_run_row_is_named_and_the_layouts_shard_count_is_used(tmp_path: Path) -> None:
-    """The database page that holds the run's row (its shard count) zeroed: replays take the
-    shard count from the layout and work; verify says that row does not read, and checks
-    every version with the layout's count instead of stopping there."""
+@pytest.mark.parametrize("damage", ["page zeroed", "schema"])
+def test_a_damaged_run_row_is_named_and_the_layouts_shard_count_is_used(tmp_path: Path, damage: str) -> None:
+    """The database page that holds the run's row (its shard count) zeroed, or the schema's
+    text of the runs table damaged so that its ``run`` column is gone: replays take the shard
+    count from the layout and work; verify says that row does not read, and checks every
+    version with the layout's count instead of stopping there."""
     run = _closed_run(tmp_path, 3)
     db = tmp_path / "rewind.db"
     with sqlite3.connect(db) as conn:
@@ -523,7 +525,12 @@ def test_a_damaged_run_row_is_named_and_the_layouts_shard_count_is_used(tmp_path
         (root,) = conn.execute("SELECT rootpage FROM sqlite_master WHERE name='runs'").fetchone()
     conn.close()
     data = bytearray(db.read_bytes())
-    data[(root - 1) * page_size:root * page_size] = bytes(page_size)
+    if damage == "page zeroed":
+        data[(root - 1) * page_size:root * page_size] = bytes(page_size)
+    else:
+        at = data.index(b"CREATE TABLE runs")
+        at = data.index(b"run ", at + len(b"CREATE TABLE runs"))
+        data[at:at + 3] = b"rux"
     db.write_bytes(bytes(data))
     assert replay(run, Target())[0].version == 3
     report = verify_run(run)

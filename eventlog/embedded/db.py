@@ -221,6 +221,10 @@ class Database:
             "malformed" in msg or "not a database" in msg or "disk image" in msg
         ):
             return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
+        if isinstance(exc, sqlite3.OperationalError) and msg.startswith(("no such table", "no such column")):
+            # The file was opened as a Rewind log, so its schema held every table and column
+            # once: one missing now is a damaged schema (or a file Rewind never wrote).
+            return CorruptStoreError(f"embedded database {self.path} is damaged or not a Rewind log: {msg}")
         return self._error(f"embedded database {self.path}: {msg}")
 
     @contextmanager
