@@ -157,6 +157,12 @@ class EventLog(abc.ABC):
         address), for a report naming a damaged record; ``None``: where the partition is."""
         return self.url
 
+    def holds_unindexed(self, partition: int, lo: int, hi: int) -> bool:
+        """Whether records with offsets in ``[lo, hi]`` are kept but a read does not find
+        them (a damaged index: asked after a read skipped those offsets). Only a log with an
+        index of its own can say yes."""
+        return False
+
     @abc.abstractmethod
     def truncate_before(self, partition: int, offset: int) -> None:
         """Delete the records of ``partition`` below ``offset``."""

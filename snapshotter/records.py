@@ -80,6 +80,12 @@ class Records:
                 raise CorruptStoreError(f"run {self.log.run_id!r} partition {self.partition}: a scan "
                                         f"skips offsets {want}..{found - 1}, which a lookup of offset "
                                         f"{want} finds: the database's index is damaged")
+            if found > want and self.log.holds_unindexed(self.partition, want, found - 1):
+                # ... or from a lookup too, where the table itself still holds them.
+                self._next, self.failed_at = None, want
+                raise CorruptStoreError(f"run {self.log.run_id!r} partition {self.partition}: reads skip "
+                                        f"offsets {want}..{found - 1}, which the database holds: its index "
+                                        "is damaged")
             if found > want:
                 # A damaged index can hide records from a scan without any error.
                 self._next, self.failed_at = None, want

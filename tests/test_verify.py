@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import shutil
 import sqlite3
 import struct
 import subprocess
@@ -605,3 +606,44 @@ def test_a_record_a_scan_skips_but_a_lookup_finds_is_named_as_a_damaged_index(
     assert (named.partition, named.offset) == (0, offset)
     assert f"a scan skips offsets {offset}..{offset}, which a lookup of offset {offset} finds: the " \
         "database's index is damaged" in named.error, named.error
+
+
+def test_a_record_its_index_lost_is_named_as_a_damaged_index_not_as_missing(tmp_path: Path) -> None:
+    """The database's index page with version 3's first record of shard 0 taken out, the
+    table's row left (what ``PRAGMA integrity_check`` calls a row missing from its index):
+    scans and lookups both skip it, and replays through version 3 fail. Verify names that
+    record and the index; it does not say the record is missing."""
+    run = _closed_run(tmp_path, 4)
+    with run.open_log() as log:
+        offset = next(o for o, _, env in events(log, 0) if env.version == 3)
+    db, edited = tmp_path / "rewind.db", tmp_path / "edited.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        (page_size,) = conn.execute("PRAGMA page_size").fetchone()
+        pages = [p for (p,) in conn.execute(
+            "SELECT pageno FROM dbstat WHERE name='sqlite_autoindex_records_1'")]
+    conn.close()
+    shutil.copy(db, edited)
+    with sqlite3.connect(edited) as conn:  # the row deleted from the copy: its index pages lack it
+        conn.execute("DELETE FROM records WHERE partition=0 AND offset=?", (offset,))
+    conn.close()
+    with sqlite3.connect(edited) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    conn.close()
+    data, lacking = bytearray(db.read_bytes()), edited.read_bytes()
+    for p in pages:
+        data[(p - 1) * page_size:p * page_size] = lacking[(p - 1) * page_size:p * page_size]
+    db.write_bytes(bytes(data))
+    with sqlite3.connect(db) as conn:
+        assert "missing from index" in conn.execute("PRAGMA integrity_check").fetchone()[0]
+    conn.close()
+    with override(settle_s=0.0):
+        assert replay(run, Target("version", 2))[0].version == 2
+        with pytest.raises(RewindError):
+            replay(run, Target("version", 3))
+        report = verify_run(run)
+    assert not report.ok and report.unreachable == [3, 4], report.findings
+    [named] = report.damaged
+    assert (named.version, named.partition, named.offset) == (3, 0, offset)
+    assert named.error == f"CorruptStoreError: run {run.run_id!r} partition 0: reads skip offsets " \
+        f"{offset}..{offset}, which the database holds: its index is damaged", named.error

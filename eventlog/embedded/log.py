@@ -101,6 +101,16 @@ class EmbeddedLog(EventLog):
         damaged to say)."""
         return self._reader.record_file(partition, offset)
 
+    @wrapped
+    def holds_unindexed(self, partition: int, lo: int, hi: int) -> bool:
+        """Looked for row by row through the table itself, past the index a read uses."""
+        row = self._db.conn().execute(
+            "SELECT 1 FROM records NOT INDEXED WHERE run=? AND partition=? AND offset BETWEEN ? AND ? "
+            "LIMIT 1",
+            (self.run_id, partition, lo, hi),
+        ).fetchone()
+        return row is not None
+
     def _partition_row(self, partition: int) -> tuple[int, int]:
         row = self._db.conn().execute(
             "SELECT next_offset, start_offset FROM partitions WHERE run=? AND partition=?",
