@@ -639,7 +639,9 @@ def test_a_record_its_index_lost_is_named_as_a_damaged_index_not_as_missing(tmp_
     conn.close()
     with override(settle_s=0.0):
         assert replay(run, Target("version", 2))[0].version == 2
-        with pytest.raises(RewindError):
+        with pytest.raises(CorruptStoreError, match=re.escape(
+                f"shard 0: the read after offset {offset - 1} returned offset {offset + 1}: records "
+                f"{offset}..{offset} are missing, or the store's index is damaged")):
             replay(run, Target("version", 3))
         report = verify_run(run)
     assert not report.ok and report.unreachable == [3, 4], report.findings

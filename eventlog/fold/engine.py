@@ -19,6 +19,7 @@ import torch
 from eventlog import crypto, serde
 from eventlog.digests import small_digest, state_digest
 from eventlog.errors import (
+    CorruptStoreError,
     DigestMismatchError,
     IntegrityError,
     RunNotFoundError,
@@ -299,6 +300,10 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
                 done = True  # one writer per partition: versions never go back after this
                 past = offset, env
                 break
+            if log.dense_offsets and gt is not None and offset != gt + 1:
+                raise CorruptStoreError(f"run {log.run_id!r} shard {state.shard}: the read after offset {gt} "
+                                        f"returned offset {offset}: records {gt + 1}..{offset - 1} are "
+                                        "missing, or the store's index is damaged")
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
             outcome = state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
             state.next_offset = offset + 1
