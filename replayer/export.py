@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import safetensors.torch
+import torch
 
 from eventlog import ConfigError, RewindError
 from eventlog.fold.engine import RebuiltState
@@ -47,12 +48,14 @@ def export(
     if "model" not in trees:
         raise RewindError("the run recorded no model: nothing to export as safetensors")
     out.mkdir(parents=True, exist_ok=True)
-    model = {k: v.contiguous() for k, v in trees["model"].items()}
+    model, aliases = untied(trees["model"])
+    metadata = {"run_id": state.run_id, "version": str(state.version), "step": str(state.step)}
+    if aliases:
+        metadata["aliases"] = json.dumps(aliases, sort_keys=True)
     path = out / "model.safetensors"
     # save() and our own write, not save_file(): that one renames a private (mode 0600) temp
     # file into place, while every other file written here gets the usual umask mode.
-    _write_atomic(path, safetensors.torch.save(model, metadata={
-        "run_id": state.run_id, "version": str(state.version), "step": str(state.step)}))
+    _write_atomic(path, safetensors.torch.save(model, metadata=metadata))
     written = [path]
     if fmt == "hf" and config_hook:
         hook = load_hook(config_hook)
@@ -64,6 +67,30 @@ def export(
         _write_atomic(cfg, text.encode())
         written.append(cfg)
     return written
+
+
+def untied(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors safetensors can store, and the names left out as aliases of a kept name.
+
+    safetensors refuses tensors that share memory. A tied weight (an LM head that is its
+    embedding) is written once, under its first name in state-dict order, as HF's
+    ``save_pretrained`` does (its loaders tie the other name again); any other sharing is
+    written as copies."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    views: dict[tuple[Any, ...], str] = {}
+    storages: set[int] = set()
+    for name, t in tensors.items():
+        ptr = t.untyped_storage().data_ptr()
+        view = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if t.numel() and view in views:
+            aliases[name] = views[view]
+            continue
+        views[view] = name
+        shared = t.numel() > 0 and ptr in storages
+        storages.add(ptr)
+        kept[name] = t.clone(memory_format=torch.contiguous_format) if shared else t.contiguous()
+    return kept, aliases
 
 
 def _write_atomic(path: Path, data: bytes) -> None:

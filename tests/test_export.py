@@ -1,0 +1,50 @@
+"""``rewind export`` writes a model whose weights are tied (an LM head that is its
+embedding, as GPT-2's): once, with the other name listed as its alias."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import safetensors
+import safetensors.torch
+import torch
+from torch import nn
+
+from eventlog import RunAddress
+from rewind import Recorder
+
+
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.mix = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight  # tied, as transformers' tie_word_embeddings does
+
+
+def test_tied_weights_are_exported_once_with_their_alias(tmp_path: Path) -> None:
+    model = TiedLM()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    url = f"sqlite://{tmp_path / 'rewind.db'}"
+    with Recorder(RunAddress(url, url, "lm"), model=model, optimizer=opt) as rec:
+        for step in range(1, 4):
+            opt.zero_grad()
+            model.head(model.mix(model.embed(torch.arange(16)))).square().mean().backward()
+            opt.step()
+            rec.commit(step=step, wait=True)
+    want = model.state_dict()
+    for fmt in ("safetensors", "hf"):
+        out = tmp_path / fmt
+        done = subprocess.run(["rewind", "export", "--run-dir", str(tmp_path), "--format", fmt,
+                               "--out", str(out)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        got = safetensors.torch.load_file(out / "model.safetensors")
+        assert sorted(got) == ["embed.weight", "mix.bias", "mix.weight"]
+        assert all(torch.equal(got[k].view(torch.int32), want[k].view(torch.int32)) for k in got)
+        with safetensors.safe_open(out / "model.safetensors", "pt") as f:
+            meta = f.metadata()
+        assert json.loads(meta["aliases"]) == {"head.weight": "embed.weight"} and meta["step"] == "3"
