@@ -193,10 +193,11 @@ def table(results: dict[str, Any]) -> Table:
     if not skipped("codec_compare"):
         r = results["codec_compare"]
         what = f"{r['params'] / 1e6:.0f}M Adam, {r['steps']} steps"
-        t.add_row("codec_compare", f"bytes/commit predictive vs XOR ({what})",
+        target, status = verdict("predictive_bytes_ratio")
+        t.add_row("codec_compare", f"bytes/commit vs raw, predictive vs XOR ({what})",
                   fmt(r["predictive_bytes_per_commit_ratio"]), fmt(r["xor_bytes_per_commit_ratio"]),
                   fmt(_div(r["predictive_bytes_per_commit_ratio"], r["xor_bytes_per_commit_ratio"]), "x", 2),
-                  *verdict("predictive_bytes_ratio"))
+                  f"predictive {target}" if target else "", status)
         t.add_row("", "encode throughput predictive vs XOR", fmt(r["predictive_encode_mb_s"], "MB/s"),
                   fmt(r["xor_encode_mb_s"], "MB/s"), fmt(r["encode_speedup"], "x", 2),
                   *verdict("predictive_encode_speedup"))

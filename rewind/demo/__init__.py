@@ -133,11 +133,11 @@ def run_demo(
         ("events applied on recovery", str(restored["applied"])),
         ("events skipped on recovery", str(restored["skipped"])),
         ("recovery seconds", f"{restored['seconds']:.3f}"),
-        ("log at the end: versions / events", f"{report.version} / {report.applied}"),
+        ("replay of the log at the end: version / events applied", f"{report.version} / {report.applied}"),
         ("steps compared, mismatched", f"{len(same_steps)}, {len(mismatched)}"),
-        ("final digest, recovered run", final_got),
-        ("final digest, reference run", final_want),
-        ("run directory", str(run_dir)),
+        ("final trainer digest, recovered run", final_got),
+        ("final trainer digest, reference run", final_want),
+        ("recorded run (rewind ... --run-dir)", str(crashed)),
         ("log", address.log_url),
     ):
         table.add_row(k, v)
