@@ -38,10 +38,11 @@ class RunAddress:
             raise ConfigError(f"no Rewind run in {run_dir}: {db} does not exist")
         if run_id is None:
             runs = list_runs(url)
+            if not runs:
+                raise ConfigError(f"no run in {run_dir} has recorded an event yet ({db})")
             if len(runs) != 1:
-                raise ConfigError(
-                    f"{run_dir} holds {len(runs)} runs ({', '.join(runs) or 'none'}); pass --run"
-                )
+                raise ConfigError(f"{run_dir} holds {len(runs)} runs ({', '.join(runs)}): name one "
+                                  f"(--run ID; to bisect, {run_dir}#ID)")
             run_id = runs[0]
         return cls(url, url, run_id, f"file://{Path(run_dir).resolve() / 'snapshots'}")
 

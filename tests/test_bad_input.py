@@ -413,7 +413,8 @@ def test_run_dir_addressing(tmp_path: Path) -> None:
     record(tmp_path, run_id="beta", seed=1)
     with pytest.raises(ConfigError) as info:
         RunAddress.from_run_dir(tmp_path)
-    assert "alpha" in str(info.value) and "beta" in str(info.value)
+    assert str(info.value) == f"{tmp_path} holds 2 runs (alpha, beta): name one (--run ID; to bisect, " \
+        f"{tmp_path}#ID)"
     named = RunAddress.from_run_dir(tmp_path, "beta")
     assert (named.run_id, named.log_url) == ("beta", run.url)
 

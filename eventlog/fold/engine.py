@@ -98,6 +98,11 @@ class ControlIndex:
         oldest = infos[0]
         if target.kind == "latest":
             return infos[-1].version
+        if target.kind == "offset" and (target.value or 0) >= self.end_offset:
+            raise TargetNotFoundError(
+                f"{target} is past the end of the control partition (its end offset is {self.end_offset}); "
+                f"newest: version {infos[-1].version}, step {infos[-1].step}, "
+                f"control offset {infos[-1].offset}")
         if target.kind == "version":
             if target.value in self.seals:
                 return int(target.value)
