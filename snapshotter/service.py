@@ -306,6 +306,15 @@ class Snapshotter:
             txn.append(CONTROL, serde.encode(env))
 
     # ------------------------------------------------------------------ retention
+    def retain(self) -> tuple[list[str], list[int] | None]:
+        """Apply retention and the history policy now, as a published snapshot does (for a
+        caller that asked for them when there was nothing new to snapshot): the snapshot ids
+        deleted, and the offsets the log was truncated before (``None``: not truncated)."""
+        self.catch_up()
+        if self._idx is None:
+            return [], None
+        return self._retain()
+
     def _retain(self) -> tuple[list[str], list[int] | None]:
         """Apply retention to the published snapshots, then the history policy to the log."""
         assert self._idx is not None

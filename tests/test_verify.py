@@ -7,6 +7,7 @@ by a replay that passes it over; ``rewind snapshot`` deletes nothing unless told
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import shutil
@@ -170,6 +171,14 @@ def test_one_snapshot_now_deletes_nothing_unless_told(run: RunAddress) -> None:
     assert len(store.list(run.run_id)) == 2
     report = verify_run(run)
     assert report.ok and sum(DELETED_BY_RETENTION in f.detail for f in report.findings) == 3
+    # Nothing new since: the retention asked for still applies.
+    done = subprocess.run([*_cli(run, "snapshot"), "--keep-last", "1", "--json"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout)
+    assert said["snapshot"] is None and len(said["deleted"]) == 1 and said["truncated_before"] is None, said
+    [left] = store.list(run.run_id)
+    assert left not in said["deleted"]
     trainer.rec.close()
 
 

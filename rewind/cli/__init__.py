@@ -28,8 +28,9 @@ bit_equal``; ``l2`` is null for tensors that cannot be compared). bisect: ``stat
 ``version_a version_b``, ``previous_step``, ``shards tensors small_states optimizer_step
 hyperparameters environment layout notes replayed seconds``. plot: ``run file``.
 followers: ``run followers forgotten``. snapshot: ``run snapshot`` (null when nothing was
-new). snapshotter: ``run written``. verify: ``run findings`` (each: ``subject status
-detail``), plus what else the patrol reports.
+new; then also ``deleted truncated_before``, what the retention options given did).
+snapshotter: ``run written``. verify: ``run findings`` (each: ``subject status detail``),
+plus what else the patrol reports.
 
 Process-wide tuning happens here only, in the CLI's own process: ``main()`` fixes glibc's
 mmap threshold (``rewind.allocator``; ``REWIND_MALLOC_MMAP_THRESHOLD=0`` leaves malloc

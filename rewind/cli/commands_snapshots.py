@@ -92,11 +92,15 @@ def snapshot(
     with open_snapshotter(address, 1, 0.0, keep, best, every_steps, history, holder,
                       lambda m: say(m, to_stderr=json_out)) as snap:
         result = snap.snapshot(force=True)
+        retains = keep is not None or best or every_steps is not None or history != "keep-all"
+        deleted, truncated = snap.retain() if result is None and retains else ([], None)
     if json_out:
         emit_json("snapshot", True, run=address.run_id,
-                   snapshot=None if result is None else dataclasses.asdict(result))
+                   snapshot=None if result is None else dataclasses.asdict(result),
+                   **({} if result is not None else {"deleted": deleted, "truncated_before": truncated}))
     elif result is None:
-        say("nothing new to snapshot")
+        say("nothing new to snapshot" + (f"; retention deleted {len(deleted)}" if retains else "")
+            + (f"; log truncated before offsets {truncated}" if truncated else ""))
     else:
         say(f"snapshot {result.snapshot_id}: version {result.version}, step {result.step}, "
             f"{result.seconds:.2f} s, deleted {len(result.deleted)}")
