@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from eventlog import RunAddress, Target
+from eventlog import ConfigError, RunAddress, Target
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
 from eventlog.errors import BatchedStepsMismatchError, DecodeError, IntegrityError
 from eventlog.events import RunStarted
@@ -196,6 +196,23 @@ def write_checkpoint(state: RebuiltState, report: ReplayReport, out: Path) -> li
     _atomic(path, lambda p: Path(p).write_text(json.dumps(report.to_json(), indent=2) + "\n"))
     written.append(path)
     return written
+
+
+def read_checkpoint(out: Path) -> dict[str, Any]:
+    """The states a checkpoint directory holds (``write_checkpoint``, ``rewind recover``), by
+    file name without its suffix: tensor trees loaded with ``torch.load(weights_only=True)``,
+    the other states decoded from msgpack, ready for each object's ``load_state_dict``."""
+    from eventlog.statecodec import unpack
+
+    out = Path(out)
+    if not (out / "recovery.json").is_file():
+        raise ConfigError(f"no Rewind checkpoint in {out}: it holds no recovery.json")
+    states: dict[str, Any] = {}
+    for path in sorted(out.glob("*.pt")):
+        states[path.stem] = torch.load(path, map_location="cpu", weights_only=True)
+    for path in sorted(out.glob("*.msgpack")):
+        states[path.stem] = unpack(path.read_bytes(), str(path))
+    return states
 
 
 def _save_tree(tree: Any, path: str) -> None:

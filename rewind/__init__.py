@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from eventlog import AuthenticationError, Keyring, RunAddress, Stateful, Target
     from replayer.export import export
     from replayer.follower import Follower, FollowResult
-    from replayer.replay import ReplayReport, replay, write_checkpoint
+    from replayer.replay import ReplayReport, read_checkpoint, replay, write_checkpoint
     from rewind.recorder import Recorder
     from rewind.results import CommitResult, RestoreResult
     from rewind.snapshots import Snapshots
@@ -56,7 +56,7 @@ else:
         "eventlog": ("AuthenticationError", "Keyring", "RunAddress", "Stateful", "Target"),
         "replayer.export": ("export",),
         "replayer.follower": ("Follower", "FollowResult"),
-        "replayer.replay": ("ReplayReport", "replay", "write_checkpoint"),
+        "replayer.replay": ("ReplayReport", "read_checkpoint", "replay", "write_checkpoint"),
         "rewind.recorder": ("Recorder",),
         "rewind.results": ("CommitResult", "RestoreResult"),
         "rewind.snapshots": ("Snapshots",),
@@ -73,5 +73,5 @@ __all__ = [
     "RunNotFoundError", "Snapshots", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
     "TargetNotFoundError", "TruncatedHistoryError", "UnknownSchemaError", "WrongRunError",
     "every_seconds", "every_versions", "export", "keep_all", "keep_best", "keep_every",
-    "keep_last", "replay", "write_checkpoint",
+    "keep_last", "read_checkpoint", "replay", "write_checkpoint",
 ]
