@@ -81,6 +81,8 @@ class VerifyReport:
     covered: tuple[int, int] | None = None
     #: Sealed versions that no replay can reach because of damage.
     unreachable: list[int] = field(default_factory=list)
+    #: Kept snapshots whose files or end marker fail their checks (replays pass them over).
+    failed_snapshots: list[str] = field(default_factory=list)
     deep: bool = False
 
     @property
@@ -95,6 +97,7 @@ class VerifyReport:
                 {"first": self.covered[0], "last": self.covered[1]},
                 "unreachable": _ranges(self.unreachable),
                 "damaged": [asdict(d) for d in self.damaged],
+                "failed_snapshots": list(self.failed_snapshots),
                 "findings": [asdict(f) for f in self.findings]}
 
     def damage(self, record: DamagedRecord) -> None:
@@ -221,6 +224,7 @@ def _check_snapshots(report: VerifyReport, store: SnapshotStore | None, log: Eve
             at = marker.end_offset
             report.findings.append(Finding(subject, FAIL, f"{exc} (end marker at control offset {at}, "
                                            f"in {log.record_file(CONTROL, at)})"))
+            report.failed_snapshots.append(sid)
             continue
         valid.append(marker)
         report.findings.append(Finding(subject, OK, f"files and digests verify ({folder})"))

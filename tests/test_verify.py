@@ -280,6 +280,7 @@ def test_a_snapshot_whose_end_marker_is_damaged_is_failed_naming_the_marker(tmp_
     assert replayed.snapshot is None and [sid for sid, _ in replayed.passed_over] == [env.body.snapshot_id]
     report = verify_run(run)
     assert not report.ok and report.unreachable == [] and report.damaged == [], report.findings
+    assert report.to_json()["failed_snapshots"] == [env.body.snapshot_id]
     [failed] = [f for f in report.findings if f.status == FAIL]
     assert failed.subject == f"snapshot {env.body.snapshot_id} (version 4)"
     assert failed.detail.endswith(f"does not match the digest in its end marker (end marker at control "

@@ -30,7 +30,7 @@ hyperparameters environment layout notes replayed seconds``. plot: ``run file``.
 followers: ``run followers forgotten``. snapshot: ``run snapshot`` (null when nothing was
 new; then also ``deleted truncated_before``, what the retention options given did).
 snapshotter: ``run written``. verify: ``run findings`` (each: ``subject status detail``),
-plus what else the patrol reports.
+plus what else the patrol reports (``damaged`` records, ``failed_snapshots``, ``unreachable``).
 
 Process-wide tuning happens here only, in the CLI's own process: ``main()`` fixes glibc's
 mmap threshold (``rewind.allocator``; ``REWIND_MALLOC_MMAP_THRESHOLD=0`` leaves malloc
