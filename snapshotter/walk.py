@@ -181,12 +181,21 @@ def walk_shard(log: EventLog, idx: ControlIndex, starts: Starts, base: Marker | 
             start = starts.load(point)
             state, since, layout = start.shards[shard], point.version, start.layout
             gt = start.next_offsets[shard + 1] - 1
+        named = len(walk.damaged)
         broken = _fold(log, idx, state, gt, since, layout, [c for c in checkpoints if c > since], walk,
                        starts)
         walk.applied += state.counts.applied
         if broken is None:
             return walk
         version, offset = broken
+        if any(d.offset == offset for d in walk.damaged[:named]):
+            del walk.damaged[named:]  # met again from a newer start: named once
+        retry = starts.before(version)
+        if retry is not None and (point is None or retry.version > point.version):
+            # A damaged database can answer a replay's read (from the snapshot a replay to
+            # ``version`` starts at) where it failed this one: go on from there first.
+            point = retry
+            continue
         point = starts.after(shard, version, offset)
         resume = point.version if point is not None else versions[-1] + 1
         walk.bad.update(v for v in versions if version <= v < resume)
