@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from replayer.audit import history
+from rewind import RunAddress
+
 pytest.importorskip("lightning")
 
 #: Small fits, each in its own process, SIGKILLed or run to the end. Importing lightning
@@ -57,6 +60,8 @@ class Net(pl.LightningModule):
             # Commits are asynchronous: what was durable when the kill lands is what a resume
             # must not lose (under load, possibly nothing yet).
             rec = next(c for c in self.trainer.callbacks if isinstance(c, RewindCallback)).recorder
+            if self.cfg.get("flush"):  # every commit made so far durable: a deterministic resume
+                rec.flush()
             with open(self.cfg["losses"] + ".acked", "w") as f:
                 f.write(str(rec.version))
             os.kill(os.getpid(), 9)
@@ -142,12 +147,12 @@ def _chain(tmp_path: Path, name: str, kills: list[int], **settings: object) -> l
                    for i, kill_at in enumerate([*kills, -1]))]
 
 
-def _check_chain(cfgs: list[dict[str, object]], kills: list[int]) -> list[int]:
+def _check_chain(cfgs: list[dict[str, object]], kills: list[int], total: int = EPOCHS * BATCHES) -> list[int]:
     """Assert each resumed fit repeated the uninterrupted one from its restored step on, and
-    ended bit-equal; returns the step each fit of the chain started at."""
+    ended bit-equal (after ``total`` steps); returns the step each fit of the chain started at."""
     ref, *chain = cfgs
     expected = {s["step"]: s for s in _steps(Path(str(ref["losses"])))}
-    assert sorted(expected) == list(range(EPOCHS * BATCHES))  # type: ignore[type-var]
+    assert sorted(expected) == list(range(total))  # type: ignore[type-var]
     firsts = []
     for i, cfg in enumerate(chain):
         logged = _steps(Path(str(cfg["losses"])))
@@ -165,7 +170,7 @@ def _check_chain(cfgs: list[dict[str, object]], kills: list[int]) -> list[int]:
         firsts.append(first)
     final, want = (json.loads(Path(str(c["final"])).read_text()) for c in (chain[-1], ref))
     assert (final.pop("restored"), want.pop("restored")) == (firsts[-1], None)
-    assert final.keys() == want.keys() and final["global_step"] == EPOCHS * BATCHES
+    assert final.keys() == want.keys() and final["global_step"] == total
     assert [k for k in want if final[k] != want[k]] == []
     return firsts
 
@@ -198,3 +203,37 @@ def test_fits_killed_at_random_steps_resume_bit_equal(tmp_path: Path) -> None:
     assert ended == ref
     assert ("ConfigError: RewindCallback: the training dataloader is a DataLoader; wrap it as "
             "ResumableLoader(loader) so a resume continues on the exact next batch") in stderr
+
+
+def _version_steps(cfg: dict[str, object]) -> list[list[int]]:
+    """The steps of the run's sealed versions, a list per writer session (a resume starts one)."""
+    url = str(cfg["url"])
+    _, rows = history(RunAddress(url, url, str(cfg["run"])))
+    sessions: list[list[int]] = []
+    for row in rows:
+        if row.kind == "recovery" or not sessions:
+            sessions.append([])
+        if row.kind == "version":
+            sessions[-1].append(row.step)
+    return sessions
+
+
+@pytest.mark.slow
+def test_a_commit_due_on_an_epochs_last_batch_is_made_on_the_next_batch(tmp_path: Path) -> None:
+    """8 batches an epoch, 2 epochs: a commit due at step 8, the first epoch's last batch (not
+    a commit point: the epoch's end follows it), is made on the next batch, step 9, not
+    dropped, and the schedule goes on from the multiples (every_n_steps=4: 4, 9, 12, 16;
+    every_n_steps=8: 9, 16, the last one ``on_train_end``'s). A fit killed after that commit
+    resumes from step 9, at the start of the second epoch, and ends bit-equal."""
+    small = {"samples": 32, "batch": 4, "epochs": 2, "flush": True}
+    four = _chain(tmp_path, "four", [11], every=4, **small)
+    eight = _chain(tmp_path, "eight", [13], every=8, **small)
+    codes, stderr = _fits([*four, *eight])
+    killed = -signal.SIGKILL
+    assert codes == [0, killed, 0, 0, killed, 0], stderr[-3000:]
+    for chain, kill, steps in ((four, 11, [4, 9, 12, 16]), (eight, 13, [9, 16])):
+        assert _version_steps(chain[0]) == [steps]
+        # The killed fit had made every commit due before step ``kill`` durable; the resume
+        # restored the one at step 9 and made the rest.
+        assert _version_steps(chain[1]) == [[s for s in steps if s <= kill], [s for s in steps if s > kill]]
+        assert _check_chain(chain, [kill], total=16) == [0, 9]

@@ -28,8 +28,15 @@ What a commit records, at ``on_train_batch_end`` every ``every_n_steps`` optimiz
 A batch is not a commit point when the state after its ``on_train_batch_end`` is not all
 the state: while gradients accumulate (they live in ``.grad``), when validation or the end
 of the epoch follows it (Lightning does not rerun those on a restart), or when the trainer
-is stopping. The commit moves to the next batch that is one. ``on_train_end`` commits the
+is stopping. The commit moves to the next batch that is one: with 8 batches an epoch and
+``every_n_steps=4``, the commit due at step 8 (the epoch's last batch) is made at step 9, the
+first batch of the next epoch, and the next ones at 12, 16, ... ``on_train_end`` commits the
 final state: fitting a finished run again restores it and trains no more.
+
+Why not commit at the epoch boundary itself (``on_train_epoch_end``): after this callback's
+hook Lightning still runs the module's and the monitoring callbacks' (``ModelCheckpoint``)
+``on_train_epoch_end`` and steps the epoch-interval LR schedulers, and a restart from a state
+saved there runs none of them again, so the resumed fit would not be the uninterrupted one.
 
 Not covered: ``ReduceLROnPlateau`` stepped per batch (Lightning steps it after the commit
 point; refused with ``ConfigError``), several training dataloaders, a loader without a
@@ -188,11 +195,18 @@ class RewindCallback(pl.Callback):
     ) -> None:
         """Commit when this batch is a commit point and ``every_n_steps`` steps have passed."""
         step = trainer.global_step
-        if step == self._committed_step or step % self.every_n_steps or not _commit_point(trainer):
+        if not self._due(step) or not _commit_point(trainer):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         metrics = {"loss": float(loss)} if isinstance(loss, torch.Tensor) and loss.numel() == 1 else {}
         self._commit(trainer, step, metrics)
+
+    def _due(self, step: int) -> bool:
+        """True when a multiple of ``every_n_steps`` lies in ``(last commit, step]``: a commit
+        due at a batch that was not a commit point (an epoch's last batch, say) stays due until
+        the next batch that is one, instead of being dropped because that batch's step is not a
+        multiple. The schedule stays on the multiples (due at 4, 8, 12: commits at 4, 9, 12)."""
+        return step // self.every_n_steps > max(self._committed_step, 0) // self.every_n_steps
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Commit the final state and wait until every commit is durable."""
