@@ -72,27 +72,24 @@ class Records:
         if self.log.dense_offsets:
             want = self.log.start_offset(self.partition) if self.last_offset is None else self.last_offset + 1
             found = self._end if self._next is None else self._next[0]
-            if found > want and not self._one_by_one and \
-                    self.log.read(self.partition, gt=want - 1, lte=want, limit=1):
-                # A damaged index can hide records from a scan (a replay's read) that a
-                # lookup finds.
-                self._next, self.failed_at = None, want
-                raise CorruptStoreError(f"run {self.log.run_id!r} partition {self.partition}: a scan "
-                                        f"skips offsets {want}..{found - 1}, which a lookup of offset "
-                                        f"{want} finds: the database's index is damaged")
-            if found > want and self.log.holds_unindexed(self.partition, want, found - 1):
-                # ... or from a lookup too, where the table itself still holds them.
-                self._next, self.failed_at = None, want
-                raise CorruptStoreError(f"run {self.log.run_id!r} partition {self.partition}: reads skip "
-                                        f"offsets {want}..{found - 1}, which the database holds: its index "
-                                        "is damaged")
             if found > want:
-                # A damaged index can hide records from a scan without any error.
                 self._next, self.failed_at = None, want
-                raise MissingRecordsError(f"run {self.log.run_id!r} partition {self.partition}: records at "
-                                      f"offsets {want}..{found - 1} are missing (the partition ends at "
-                                      f"{self._end})")
+                raise self._gap(want, found)
         return self._next
+
+    def _gap(self, want: int, found: int) -> RewindError:
+        """The error for offsets ``want..found - 1`` that a read of a log with dense offsets
+        skipped: a damaged index where a lookup or the table itself still finds them, else
+        missing records (a damaged index can also hide records without any error)."""
+        what = f"run {self.log.run_id!r} partition {self.partition}"
+        if not self._one_by_one and self.log.read(self.partition, gt=want - 1, lte=want, limit=1):
+            return CorruptStoreError(f"{what}: a scan skips offsets {want}..{found - 1}, which a lookup of "
+                                     f"offset {want} finds: the database's index is damaged")
+        if self.log.holds_unindexed(self.partition, want, found - 1):
+            return CorruptStoreError(f"{what}: reads skip offsets {want}..{found - 1}, which the database "
+                                     "holds: its index is damaged")
+        return MissingRecordsError(f"{what}: records at offsets {want}..{found - 1} are missing (the "
+                                   f"partition ends at {self._end})")
 
     def _single(self) -> tuple[int, int, Envelope] | None:
         gt = self.last_offset

@@ -307,10 +307,9 @@ class Snapshotter:
 
     # ------------------------------------------------------------------ retention
     def retain(self) -> tuple[list[str], list[int] | None]:
-        """Apply retention and the history policy now, as a published snapshot does (for a
-        caller that asked for them when there was nothing new to snapshot): the snapshot ids
-        deleted, and the offsets the log was truncated before (``None``: not truncated)."""
-        self.catch_up()
+        """Apply retention and the history policy now, as a published snapshot does (after
+        ``snapshot`` found nothing new to write, for a caller that asked for them): the
+        snapshot ids deleted, and the offsets the log was truncated before (``None``: not)."""
         if self._idx is None:
             return [], None
         return self._retain()

@@ -188,8 +188,9 @@ def walk_shard(log: EventLog, idx: ControlIndex, starts: Starts, base: Marker | 
         if broken is None:
             return walk
         version, offset = broken
-        if any(d.offset == offset for d in walk.damaged[:named]):
-            del walk.damaged[named:]  # met again from a newer start: named once
+        before = {(d.partition, d.offset) for d in walk.damaged[:named]}
+        # Records met again when folding on from a newer start are named once.
+        walk.damaged[named:] = [d for d in walk.damaged[named:] if (d.partition, d.offset) not in before]
         retry = starts.before(version)
         if retry is not None and (point is None or retry.version > point.version):
             # A damaged database can answer a replay's read (from the snapshot a replay to
