@@ -43,6 +43,7 @@ agreement (so rank 0 never seals that version);
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import multiprocessing
@@ -291,10 +292,15 @@ def train(cfg: dict[str, Any]) -> None:
             if cfg["perturb"] == f"{rank}:{step}":
                 with torch.no_grad():
                     next(model.parameters()).view(-1)[0] += 1e-3
-            rec.commit(step, {"loss": loss.item()})
+            # A failed commit is raised by the next call on each rank, which need not be the
+            # same call on both: a drifting job waits, so every rank raises it at this commit.
+            rec.commit(step, {"loss": loss.item()}, wait=bool(cfg["perturb"]))
         rec.flush()
     except rewind.RewindError as exc:
         (out / f"error-rank{rank}.txt").write_text(str(exc))
+        # The agent stops every worker once one exits failed: none exits before all have written.
+        with contextlib.suppress(Exception):
+            dist.barrier()
         sys.exit(3)
     finally:
         rec.close()
