@@ -130,6 +130,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "error/no-snapshot-store": ["replay", *rd, "--snapshots", f"file://{tmp / 'nowhere'}"],
         "error/export-format": ["export", *rd, "--out", str(tmp / "onnx"), "--format", "onnx"],
         "error/offset-past-end": ["replay", *rd, "--to", "offset=999999"],
+        "error/gsn-past-end": ["replay", *rd, "--to", "gsn=99999999"],
         "error/keep-best": ["snapshotter", *rd, "--keep-best", "reward:x", "--json"],
         "error/kafka": ["history", "--log", f"kafka://127.0.0.1:{_closed_port()}", "--run", RUN],
     }
@@ -260,6 +261,7 @@ def test_the_packages_load_each_name_on_first_use() -> None:
     ("export-format", "unknown export format 'onnx'"), ("keep-best", "--keep-best 'reward:x'"),
     ("kafka", "is unreachable"),
     ("offset-past-end", "offset=999999 is past the end of the control partition (its end offset is "),
+    ("gsn-past-end", "gsn=99999999 is past the newest gsn the control partition records ("),
 ])
 def test_a_rewind_error_exits_2_in_one_line(cli: tuple[Path, dict[str, Result]], case: str,
                                             says: str) -> None:

@@ -63,6 +63,8 @@ class ControlIndex:
     environment: list[tuple[int, Envelope]] = field(default_factory=list)
     start_offset: int = 0
     end_offset: int = 0
+    #: The highest gsn of any control event: a seal names its version's highest gsn.
+    end_gsn: int = 0
 
     def latest_version(self) -> int:
         """The newest sealed version (0: none)."""
@@ -98,11 +100,14 @@ class ControlIndex:
         oldest = infos[0]
         if target.kind == "latest":
             return infos[-1].version
+        newest = (f"newest: version {infos[-1].version}, step {infos[-1].step}, gsn {infos[-1].gsn}, "
+                  f"control offset {infos[-1].offset}")
         if target.kind == "offset" and (target.value or 0) >= self.end_offset:
-            raise TargetNotFoundError(
-                f"{target} is past the end of the control partition (its end offset is {self.end_offset}); "
-                f"newest: version {infos[-1].version}, step {infos[-1].step}, "
-                f"control offset {infos[-1].offset}")
+            raise TargetNotFoundError(f"{target} is past the end of the control partition (its end "
+                                      f"offset is {self.end_offset}); {newest}")
+        if target.kind == "gsn" and (target.value or 0) > self.end_gsn:
+            raise TargetNotFoundError(f"{target} is past the newest gsn the control partition records "
+                                      f"({self.end_gsn}); {newest}")
         if target.kind == "version":
             if target.value in self.seals:
                 return int(target.value)
@@ -152,6 +157,7 @@ def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlInde
     seen = 0
     for offset, _, env in events(log, CONTROL, gt=gt, lte=idx.end_offset - 1):
         seen += 1
+        idx.end_gsn = max(idx.end_gsn, env.gsn)
         body = env.body
         if isinstance(body, RunStarted):
             idx.run_started.append((offset, env))
