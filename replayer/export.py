@@ -18,6 +18,9 @@ from replayer.assemble import full_state
 from replayer.replay import ReplayReport, state_dicts, write_checkpoint
 
 FORMATS = ("torch", "safetensors", "hf")
+#: The small state holding a Hugging Face model's config (``{"json": text}``), recorded by
+#: ``rewind.integrations.hf``: an ``hf`` export writes it as ``config.json``.
+HF_CONFIG = "hf_config"
 
 
 def load_hook(spec: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
@@ -57,16 +60,30 @@ def export(
     # file into place, while every other file written here gets the usual umask mode.
     _write_atomic(path, safetensors.torch.save(model, metadata=metadata))
     written = [path]
-    if fmt == "hf" and config_hook:
-        hook = load_hook(config_hook)
-        try:
-            text = json.dumps(hook(trees), indent=2, sort_keys=True) + "\n"
-        except Exception as exc:  # the user's code: its failure is reported as theirs, in one line
-            raise ConfigError(f"config hook {config_hook!r} failed: {type(exc).__name__}: {exc}") from exc
+    text = _hf_config(trees, config_hook) if fmt == "hf" else None
+    if text is not None:
         cfg = out / "config.json"
         _write_atomic(cfg, text.encode())
         written.append(cfg)
     return written
+
+
+def _hf_config(trees: dict[str, Any], config_hook: str | None) -> str | None:
+    """``config.json``'s text: the hook's, else the config the run recorded, else none."""
+    if config_hook:
+        hook = load_hook(config_hook)
+        try:
+            config = hook(trees)
+        except Exception as exc:  # the user's code: its failure is reported as theirs, in one line
+            raise ConfigError(f"config hook {config_hook!r} failed: {type(exc).__name__}: {exc}") from exc
+    elif isinstance(trees.get(HF_CONFIG), dict) and isinstance(trees[HF_CONFIG].get("json"), str):
+        try:
+            config = json.loads(trees[HF_CONFIG]["json"])
+        except ValueError as exc:
+            raise RewindError(f"the run's recorded {HF_CONFIG!r} is not JSON: {exc}") from exc
+    else:
+        return None
+    return json.dumps(config, indent=2, sort_keys=True) + "\n"
 
 
 def untied(tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

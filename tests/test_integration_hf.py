@@ -229,6 +229,36 @@ def test_a_killed_trainer_resumes_bit_exactly_through_train(tmp_path: Path) -> N
     mid_epoch = [(name, step) for name, case in cases.items() for step in resumed_at[name]
                  if step % case["steps_per_epoch"] != 0]
     assert len(mid_epoch) >= 3, resumed_at
+    _check_hf_export(tmp_path, "plain")
+
+
+LOAD = """
+import hashlib, json, sys
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+print(json.dumps({"class": type(model).__name__, "n_embd": model.config.n_embd, "digests": {
+    f"model/{k}": f"{t.dtype}{list(t.shape)}:" + hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+    for k, t in model.state_dict().items()}}))
+"""
+
+
+def _check_hf_export(tmp_path: Path, name: str) -> None:
+    """The resumed run's export as an HF directory (no config hook) loads with
+    ``from_pretrained``: the recorded config, and weights bit-equal to the trained model's."""
+    db = f"sqlite://{tmp_path / (name + '.db')}"
+    out = tmp_path / f"{name}-hf"
+    done = subprocess.run(["rewind", "export", "--log", db, "--run", name, "--format", "hf",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    loaded = subprocess.run([sys.executable, "-c", LOAD, str(out)], capture_output=True, text=True,
+                            timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    got = json.loads(loaded.stdout.splitlines()[-1])
+    assert (got["class"], got["n_embd"]) == ("GPT2LMHeadModel", 16)
+    want = {k: v for k, v in _events(tmp_path / f"{name}-reference.jsonl")[-1]["digests"].items()
+            if k.startswith("model/")}
+    assert got["digests"] == want
 
 
 def _check(tmp_path: Path, name: str, case: dict[str, Any]) -> list[int]:

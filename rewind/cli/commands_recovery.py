@@ -108,7 +108,8 @@ def export(
     to: To = "latest",
     fmt: Annotated[str, typer.Option("--format", help="torch, safetensors or hf")] = "torch",
     config_hook: Annotated[str | None, typer.Option(
-        "--config-hook", help="module:function writing HF config.json")] = None,
+        "--config-hook",
+        help="module:function writing HF config.json (default: the config the run recorded)")] = None,
     workers: Workers = 2, json_out: AsJson = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,

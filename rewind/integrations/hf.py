@@ -21,6 +21,8 @@ the last one):
   accelerate's ``AcceleratedOptimizer``, whose step pre-hook sees the gradients after
   clipping, so steps are recorded by the predictive codec;
 * the learning-rate scheduler;
+* the model's config, as it was when training began (``rewind export --format hf`` writes
+  it as ``config.json``, so ``from_pretrained`` loads the export);
 * this process's RNGs: torch (CPU and every CUDA device), numpy and ``random``;
 * the trainer's state (``global_step``, ``epoch``, counters, best metric; not
   ``log_history``, which would make each commit grow with the run);
@@ -45,6 +47,7 @@ them). The trainer's ``total_flos`` and ``log_history`` are not part of a versio
 from __future__ import annotations
 
 import dataclasses
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -55,13 +58,14 @@ from typing import Any
 import torch
 from accelerate.optimizer import AcceleratedOptimizer
 from safetensors.torch import save_file
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers import PretrainedConfig, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 from eventlog.backends import RunAddress
 from eventlog.capture import GlobalRng, Stateful, recorded_trees
 from eventlog.errors import ConfigError, RewindError, RunNotFoundError
 from eventlog.fold.engine import RebuiltState
 from eventlog.settings import Settings
+from replayer.export import HF_CONFIG
 from replayer.replay import ReplayReport, replay
 from rewind.recorder import Recorder
 from rewind.results import CommitResult
@@ -72,7 +76,7 @@ from snapshotter.policies import Trigger
 TRAINER_STATE_FILE = "trainer_state.json"
 WEIGHTS_FILE = "model.safetensors"
 #: The callback's own small states (beside the recorder's model, optimizer, scheduler, rng).
-_OWN_STATES = ("trainer", "data", "epoch_start")
+_OWN_STATES = ("trainer", "data", "epoch_start", HF_CONFIG)
 #: The ``TrainerState`` fields a restore loads: the run's progress.
 _PROGRESS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "best_metric",
              "best_global_step", "best_model_checkpoint")
@@ -154,6 +158,26 @@ class _Position:
         _load_generators(self.loader, state["generators"])
 
 
+class _ModelConfig:
+    """The model's config as ``save_pretrained`` writes it (``{}`` for a model without one),
+    taken as training begins: ``rewind export --format hf`` writes it as ``config.json``.
+    A restore leaves the live model's config as it is."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = getattr(model, "config", None)
+        self._state: dict[str, Any] = {}
+        if isinstance(config, PretrainedConfig):
+            tree = json.loads(config.to_json_string(use_diff=False))
+            tree["architectures"] = [type(model).__name__]  # as save_pretrained sets it
+            self._state = {"json": json.dumps(tree, sort_keys=True)}
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        pass
+
+
 @dataclasses.dataclass
 class _EpochStart:
     """The global RNGs and the dataloader's generators as the current epoch began."""
@@ -174,7 +198,7 @@ class RewindCallback(TrainerCallback):
     ``run``: the run's address, or its id (backends from the environment, as ``Recorder``).
     ``every``: commit every that many optimizer steps (and at the last). ``extra``: more
     ``Stateful`` objects to record (their names must differ from ``model``, ``optimizer``,
-    ``scheduler``, ``sampler``, ``rng``, ``trainer``, ``data``, ``epoch_start``).
+    ``scheduler``, ``sampler``, ``rng``, ``trainer``, ``data``, ``epoch_start``, ``hf_config``).
     ``snapshots`` and ``settings`` are passed to the ``Recorder``.
     """
 
@@ -269,10 +293,14 @@ class RewindCallback(TrainerCallback):
         self._epoch_start = _EpochStart()
         rebuilt, self._rebuilt = self._rebuilt, None
         begins_at = state.global_step  # where train() resumes (the restore sets the recorded one)
+        own: dict[str, Stateful] = {"trainer": self._trainer, "data": self._position,
+                                    "epoch_start": self._epoch_start}
+        # A run whose versions hold no config (recorded before the callback kept one) resumes.
+        if rebuilt is None or HF_CONFIG in rebuilt[0].small.states:
+            own[HF_CONFIG] = _ModelConfig(model)
         self._recorder = Recorder(
             self.address, model=model, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler"),
-            extra={"trainer": self._trainer, "data": self._position, "epoch_start": self._epoch_start,
-                   **self._extra},
+            extra={**own, **self._extra},
             snapshots=self._snapshots, settings=self._settings,
             restorer=None if rebuilt is None else (lambda _log: rebuilt),
         )
