@@ -84,6 +84,8 @@ class VerifyReport:
     #: Kept snapshots whose files or end marker fail their checks (replays pass them over).
     failed_snapshots: list[str] = field(default_factory=list)
     deep: bool = False
+    #: The events the fold of the reachable history applied, each once.
+    applied: int = 0
 
     @property
     def ok(self) -> bool:
@@ -92,7 +94,7 @@ class VerifyReport:
 
     def to_json(self) -> dict[str, Any]:
         """The report as JSON-ready data."""
-        return {"ok": self.ok, "deep": self.deep,
+        return {"ok": self.ok, "deep": self.deep, "applied": self.applied,
                 "covered": None if self.covered is None else
                 {"first": self.covered[0], "last": self.covered[1]},
                 "unreachable": _ranges(self.unreachable),
@@ -283,10 +285,11 @@ def _check_log(report: VerifyReport, log: EventLog, idx: ControlIndex, starts: S
         bad |= walk.bad
     bad |= layout_lost
     report.unreachable = sorted(v for v in bad | set(below) if v in idx.seals)
+    report.applied = sum(w.applied for w in walks)
     source = base_name(base)
     checked = "every version's" if deep else "the newest version's"
     summary = (f"versions {first}..{versions[-1]} folded from {source}: "
-               f"{sum(w.applied for w in walks)} events applied, every event count and small-state "
+               f"{report.applied} events applied, every event count and small-state "
                f"digest and {checked} shard digests checked against the seals")
     if report.unreachable:
         report.findings.append(Finding("log", FAIL, f"{summary}; unreachable because of damage: "

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from eventlog import RewindError
@@ -87,7 +89,18 @@ class Walk:
     damaged: list[DamagedRecord] = field(default_factory=list)
     #: Versions that no replay reaches because of what this partition holds.
     bad: set[int] = field(default_factory=set)
-    applied: int = 0
+    #: Events applied, by version: a stretch folded again from a newer start counts once.
+    per_version: Counter[int] = field(default_factory=Counter)
+
+    @property
+    def applied(self) -> int:
+        """The events applied, each once."""
+        return sum(self.per_version.values())
+
+    def count(self, applied: Mapping[int, int]) -> None:
+        """Take a fold's applied events by version (of a version folded twice, the fuller fold's)."""
+        for version, n in applied.items():
+            self.per_version[version] = max(self.per_version[version], n)
 
 
 def base_name(base: Marker | None) -> str:
@@ -122,7 +135,7 @@ def walk_control(log: EventLog, idx: ControlIndex, starts: Starts, base: Marker 
                         v, CONTROL, seal.offset, log.record_file(CONTROL, seal.offset),
                         f"{exc}: the seal of version {v}, or a small-state record of it or before it, "
                         "is damaged"))
-        walk.applied += small.counts.applied
+        walk.count(small.applied_per_version)
         if lost is None:
             return walk
         point = starts.after(CONTROL, lost, idx.seals[lost].offset)
@@ -157,6 +170,7 @@ def _fold_small(log: EventLog, idx: ControlIndex, starts: Starts, version: int, 
             version, CONTROL, offset, log.record_file(CONTROL, offset),
             f"{type(exc).__name__}: {exc} (reading control offsets {offset}..{idx.seals[version].offset}, "
             f"the records of version {version})"))
+    walk.count(small.applied_per_version)  # what the failed fold applied before it failed
     point = starts.before(version)
     if point is None and not starts.from_log_start:
         return None
@@ -184,7 +198,7 @@ def walk_shard(log: EventLog, idx: ControlIndex, starts: Starts, base: Marker | 
         named = len(walk.damaged)
         broken = _fold(log, idx, state, gt, since, layout, [c for c in checkpoints if c > since], walk,
                        starts)
-        walk.applied += state.counts.applied
+        walk.count(state.applied_per_version)
         if broken is None:
             return walk
         version, offset = broken

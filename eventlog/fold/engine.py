@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -191,6 +192,8 @@ class SmallStates:
     counts: ApplyCounts = field(default_factory=ApplyCounts)
     #: The control offset after the last record folded.
     next_offset: int = 0
+    #: The events this fold applied, by version.
+    applied_per_version: Counter[int] = field(default_factory=Counter)
 
     @property
     def folded_to(self) -> int | None:
@@ -219,6 +222,7 @@ def fold_control(
             state.states[env.body.name] = env.body.state
             state.kinds[env.body.name] = env.kind
             state.applied_gsn = env.gsn
+            state.applied_per_version[env.version] += 1
         state.counts.add(outcome, nbytes)
     state.next_offset = seal_offset + 1
     state.counts.seconds = time.perf_counter() - t0
