@@ -664,3 +664,23 @@ def test_a_record_its_index_lost_is_named_as_a_damaged_index_not_as_missing(tmp_
     assert (named.version, named.partition, named.offset) == (3, 0, offset)
     assert named.error == f"CorruptStoreError: run {run.run_id!r} partition 0: reads skip offsets " \
         f"{offset}..{offset}, which the database holds: its index is damaged", named.error
+
+
+def test_a_lost_seal_is_named_not_the_intact_records_a_fold_past_it_fails_on(tmp_path: Path) -> None:
+    """Version 3's seal deleted from the database: replays past it skip version 3's events
+    as unsealed and fail on version 4's records, which are as recorded. Verify names the
+    lost seal (and the gap it leaves in the control partition), no shard record."""
+    run = _closed_run(tmp_path, 5)
+    with run.open_log() as log:
+        offset = index_control(log).seals[3].offset
+    with sqlite3.connect(tmp_path / "rewind.db") as conn:
+        conn.execute("DELETE FROM records WHERE partition=? AND offset=?", (CONTROL, offset))
+    conn.close()
+    with override(settle_s=0.0):
+        assert replay(run, Target("version", 2))[0].version == 2
+        with pytest.raises(RewindError):
+            replay(run, Target("version", 4))
+        report = verify_run(run)
+    assert not report.ok and report.unreachable == [4, 5], report.findings
+    assert {d.partition for d in report.damaged} == {CONTROL}, report.findings
+    assert "version 3 has no seal, between sealed versions" in [d.error for d in report.damaged]
