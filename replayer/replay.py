@@ -150,10 +150,15 @@ def replay(
         snapshot=start.source if start else None,
         snapshot_version=start.version if start else 0,
         passed_over=passed,
-        tail_versions=state.version - (start.version if start else 0),
+        tail_versions=_sealed_between(state, start.version if start else 0),
         snapshot_id=start.snapshot_id if start else None,
     )
     return state, report
+
+
+def _sealed_between(state: RebuiltState, since: int) -> int:
+    """The sealed versions after ``since`` up to the state's (a multi-rank run may skip numbers)."""
+    return sum(1 for v in state.index.seals if since < v <= state.version)
 
 
 def _source(start: FoldStart | None) -> str:
