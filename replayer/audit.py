@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from eventlog import RunAddress, Target
+from eventlog import ConfigError, RunAddress, Target
 from eventlog.events import Envelope, EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import ControlIndex, index_control
 from replayer.replay import replay, tensors_of
@@ -151,16 +151,34 @@ def diff(address: RunAddress, a: Target, b: Target, *, workers: int = 2) -> list
     return out
 
 
+#: The metrics a timeline draws at most (one panel each); it names how many it left out.
+PLOTTED_METRICS = 12
+
+
+def plot_path(out: Path) -> Path:
+    """The PNG file ``plot`` writes for ``--out``: ``out`` with ``.png`` added when it has
+    no suffix; a clear error for a directory or another format."""
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: name the PNG file to write")
+    if out.suffix.lower() not in ("", ".png"):
+        raise ConfigError(f"--out {out}: the timeline is a PNG; name a .png file")
+    return out if out.suffix else out.with_name(out.name + ".png")
+
+
 def plot(address: RunAddress, out: Path) -> Path:
-    """Draw the run's metrics against versions, with snapshots and recoveries marked."""
+    """Draw the run's metrics against versions, with snapshots and recoveries marked;
+    returns the PNG file written (see ``plot_path``)."""
+    out = plot_path(out)
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     idx, rows = history(address)
     versions = [r for r in rows if r.kind == "version"]
-    names = sorted({k for r in versions for k in r.metrics})[:6]
+    every = sorted({k for r in versions for k in r.metrics})
+    names = every[:PLOTTED_METRICS]
     fig, axes = plt.subplots(max(1, len(names)), 1, figsize=(10, 2.2 * max(1, len(names)) + 0.6),
                              sharex=True, squeeze=False)
     for ax, name in zip(axes[:, 0], names or ["(no metrics)"], strict=True):
@@ -173,9 +191,11 @@ def plot(address: RunAddress, out: Path) -> Path:
             elif r.kind == "recovery":
                 ax.axvline(r.version, color="tab:red", lw=1.2)
     axes[-1, 0].set_xlabel("version (green dashed: snapshot, red: recovery)")
-    fig.suptitle(f"run {address.run_id}: {len(versions)} versions")
+    axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))
+    left = f" ({len(every) - len(names)} more metrics not drawn)" if len(every) > len(names) else ""
+    fig.suptitle(f"run {address.run_id}: {len(versions)} versions{left}")
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, format="png")
     plt.close(fig)
     return out

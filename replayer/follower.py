@@ -81,7 +81,7 @@ class Follower:
 
     def __init__(
         self,
-        address: RunAddress,
+        address: RunAddress | str,
         model: torch.nn.Module,
         *,
         max_lag: int = 8,
@@ -90,14 +90,16 @@ class Follower:
     ) -> None:
         if max_lag < 0 or workers < 1:
             raise ConfigError(f"follower needs max_lag >= 0 and workers >= 1 (got {max_lag}, {workers})")
-        self.address, self.model = address, model
+        # A run id alone finds its backends in the environment, as a Recorder's does.
+        self.address = address if isinstance(address, RunAddress) else RunAddress.from_env(address)
+        self.model = model
         self.max_lag, self.workers = max_lag, workers
         self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         #: Held while tensors are copied into the model; readers hold it through ``reading()``.
         self.lock = threading.RLock()
         self._poll_lock = threading.Lock()  # one poll at a time: polls mutate the staging state
-        self._log = address.open_log()
-        self._coord = address.open_coordinator()
+        self._log = self.address.open_log()
+        self._coord = self.address.open_coordinator()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rewind-follower",
                                         initializer=intraop.serial_torch)
         self._idx: ControlIndex | None = None

@@ -131,6 +131,8 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "error/export-format": ["export", *rd, "--out", str(tmp / "onnx"), "--format", "onnx"],
         "error/offset-past-end": ["replay", *rd, "--to", "offset=999999"],
         "error/gsn-past-end": ["replay", *rd, "--to", "gsn=99999999"],
+        "error/plot-format": ["plot", *rd, "--out", str(tmp / "timeline.txt")],
+        "ok/plot-suffix": ["plot", *rd, "--out", str(tmp / "timeline"), "--json"],
         "error/keep-best": ["snapshotter", *rd, "--keep-best", "reward:x", "--json"],
         "error/kafka": ["history", "--log", f"kafka://127.0.0.1:{_closed_port()}", "--run", RUN],
     }
@@ -192,6 +194,9 @@ def test_success_json_holds_what_each_command_did(cli: tuple[Path, dict[str, Res
     assert exported and all(stat.S_IMODE(Path(f).stat().st_mode) == 0o644 for f in exported), \
         [oct(Path(f).stat().st_mode) for f in exported]  # the test process's umask is 022
     assert Path(_doc(results["ok/plot"], "plot")["file"]).stat().st_size > 0
+    # A name without a suffix gets .png, and the report names the file written.
+    written = Path(_doc(results["ok/plot-suffix"], "plot")["file"])
+    assert written.name == "timeline.png" and written.read_bytes().startswith(b"\x89PNG")
     assert results["ok/help"].returncode == 0 and "Exit status" in results["ok/help"].stdout
 
 
@@ -262,6 +267,7 @@ def test_the_packages_load_each_name_on_first_use() -> None:
     ("kafka", "is unreachable"),
     ("offset-past-end", "offset=999999 is past the end of the control partition (its end offset is "),
     ("gsn-past-end", "gsn=99999999 is past the newest gsn the control partition records ("),
+    ("plot-format", "timeline.txt: the timeline is a PNG; name a .png file"),
 ])
 def test_a_rewind_error_exits_2_in_one_line(cli: tuple[Path, dict[str, Result]], case: str,
                                             says: str) -> None:

@@ -242,3 +242,16 @@ def test_followers_silent_too_long_can_be_forgotten(run: RunAddress) -> None:
     assert forget_silent_followers(run, 1.0) == []
     with pytest.raises(ConfigError, match="silent for -1"):
         forget_silent_followers(run, -1)
+
+
+def test_a_follower_takes_a_run_id_and_finds_its_backends_in_the_environment(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    url = f"sqlite://{tmp_path / 'rewind.db'}"
+    trainer = Trainer(RunAddress(url, url, "by-id"))
+    trainer.commit(2)
+    monkeypatch.setenv("REWIND_LOG", url)
+    with Follower("by-id", _net(1)) as follower:
+        assert follower.address == RunAddress(url, url, "by-id")
+        assert follower.poll().version_after == 2
+        assert _bit_equal(follower.model, trainer.states[2])
+    trainer.rec.close()

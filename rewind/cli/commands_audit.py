@@ -116,13 +116,16 @@ def diff(
 
 
 def plot(
-    out: Annotated[Path, typer.Option("--out", help="PNG file to write")],
+    out: Annotated[Path, typer.Option(
+        "--out", help="PNG file to write (.png is added to a name without a suffix)")],
     json_out: AsJson = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
 ) -> int:
     """Draw a PNG timeline of metrics, versions, snapshots and recoveries."""
     from replayer.audit import plot as run_plot
+    from replayer.audit import plot_path
 
+    plot_path(out)  # before reading the run
     address = address_of(run_dir, log, coord, run, read_only=True)
     path = run_plot(address, out)
     if json_out:
