@@ -123,7 +123,8 @@ class Recorder:
     ``group``: the process group of a ``torch.distributed`` job whose every rank runs a
     ``Recorder`` on the same run (``rewind.distributed``): each rank records its own part
     (``shards`` tensor shards per rank) and rank 0 seals each version once every part is
-    durable. ``None``: a single process.
+    durable. ``None``: a single process. A ``DistributedDataParallel`` model is recorded as
+    the model it wraps.
     """
 
     def __init__(
@@ -151,6 +152,10 @@ class Recorder:
         self._snapshots = None if snapshots is None else Snapshots.of(snapshots)
         self.address = address if self._snapshots is None else with_store(address, self._snapshots)
         self.run_id = self.address.run_id
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            # Its names are the wrapped model's prefixed with "module.": recorded without the
+            # wrapper, a run restores, follows and exports into the plain model.
+            model = model.module
         objects: dict[str, Stateful] = {}
         for name, obj in (("model", model), ("optimizer", optimizer), ("scheduler", scheduler),
                           ("sampler", sampler)):

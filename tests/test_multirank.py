@@ -36,6 +36,7 @@ import torch
 
 import rewind
 from eventlog.backends import RunAddress
+from eventlog.capture import rebuilt_tensors
 from eventlog.events import SMALL_STATE_TYPES
 from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
@@ -228,10 +229,17 @@ def test_ddp_replica_drift_fails_that_versions_commit(jobs: Jobs) -> None:
     assert not jobs.outcome["ddp"][0]["ok"]
     for rank in range(2):
         said = (jobs.out("ddp") / f"error-rank{rank}.txt").read_text()
-        assert ("replica drift at version 3: rank 1's copy of replicated tensor 'model/module.0.weight' "
+        assert ("replica drift at version 3: rank 1's copy of replicated tensor 'model/0.weight' "
                 "digest") in said, said
     with jobs.addresses["ddp"].open_log() as log:
         assert index_control(log).latest_version() == 2
+    # Recorded without DDP's wrapper: a plain model follows the run under its own names.
+    state, _ = replay(jobs.addresses["ddp"])
+    with Follower(jobs.addresses["ddp"], tiny_model()) as follower:
+        assert follower.poll().version_after == 2
+        got = follower.model.state_dict()
+    want = {n.removeprefix("model/"): t for n, t in rebuilt_tensors(state).items() if n.startswith("model/")}
+    assert sorted(want) == sorted(got) and all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_recorded_at_4_ranks_restores_at_2_bit_equal_and_continues(jobs: Jobs) -> None:
