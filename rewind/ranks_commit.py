@@ -46,7 +46,7 @@ from eventlog.ports import CONTROL, LogTransaction
 from eventlog.target import LATEST
 from replayer import assemble
 from replayer.replay import ReplayReport, Restorer, replay
-from rewind import distributed
+from rewind import distributed, fingerprint
 from rewind.results import CommitResult
 from schemas import SCHEMA_VERSION
 
@@ -176,6 +176,8 @@ class RankCommit:
                 rec._shards, specs, tuple(sorted(small)), config_digest(specs, list(small)),
                 torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
                 self._rewind_version, SCHEMA_VERSION, rec._chunk_bytes))
+        if base == 0 and job.environment is not None:  # the run's first seal: rank 0's environment
+            control.append(job.environment)
         for name, state in sorted(small.items()):
             if rec._small.get(name) != state:
                 control.append(self._kinds.get(name.rpartition("/")[2], CustomState)(name, state))
@@ -252,6 +254,10 @@ class RankCommit:
         if g.rank == 0:
             rec._coord.reset_version(rec.run_id, sealed)
             rec._coord.raise_gsn_floor(rec.run_id, rec._last_gsn)
+            if state is not None and report is not None:
+                # Every rank checked its part against the seal (they agreed on the version).
+                rec._last_gsn = fingerprint.log_resume(rec._writer, rec._coord, rec.run_id,
+                                                       f"{rec.writer_id}#{rec.session}", state, report)
         g.barrier()  # no rank commits before rank 0 set the coordinator
         if state is None or report is None:
             return None

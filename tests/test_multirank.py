@@ -37,7 +37,7 @@ import torch
 import rewind
 from eventlog.backends import RunAddress
 from eventlog.capture import rebuilt_tensors
-from eventlog.events import SMALL_STATE_TYPES
+from eventlog.events import SMALL_STATE_TYPES, EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import events, index_control
 from eventlog.ports import CONTROL
 from eventlog.target import Target
@@ -350,6 +350,15 @@ def test_verify_passes_the_version_numbers_a_restart_skipped(jobs: Jobs) -> None
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-2000:]
     report = json.loads(verified.stdout)
     assert report["ok"] and len(report["failed_snapshots"]) == 0 and not report["damaged"], report
+    # Rank 0 logged the run's environment once, and a proof of each restore that loaded a
+    # version, which verify checked against its seal.
+    with address.open_log() as log:
+        logged = [env.body for _, env in index_control(log).environment]
+    restored = [r["step"] for r in jobs.rounds("chain") if r["step"]]
+    assert [b.reason for b in logged if isinstance(b, EnvironmentFingerprint)].count("start") == 1
+    assert [b.restored_step for b in logged if isinstance(b, Resumed)] == restored
+    proofs = [f for f in report["findings"] if f["subject"].startswith("resume at")]
+    assert len(proofs) == len(restored) and all(f["status"] == "ok" for f in proofs), proofs
 
 
 def _cli(address: RunAddress, *args: str) -> subprocess.CompletedProcess[str]:
