@@ -32,6 +32,9 @@ class RunAddress:
     @classmethod
     def from_run_dir(cls, run_dir: str | os.PathLike[str], run_id: str | None = None) -> RunAddress:
         """The embedded run stored in ``run_dir``; the run id may be left out if there is one."""
+        if Path(run_dir).name == DB_NAME and Path(run_dir).is_file():
+            raise ConfigError(f"{run_dir} is the run's database: pass the directory that holds it "
+                              f"(--run-dir {Path(run_dir).parent})")
         db = Path(run_dir).resolve() / DB_NAME
         url = f"sqlite://{db}"
         if not db.exists():
@@ -71,19 +74,24 @@ def _scheme(url: str) -> str:
     return scheme
 
 
+def check_log_url(url: str) -> None:
+    """Raise the error ``open_log`` would for a URL that names no log backend."""
+    scheme = _scheme(url)
+    if scheme not in ("sqlite", "kafka"):
+        raise ConfigError(f"unknown log backend {scheme!r} in {url!r}; use sqlite:// or kafka://")
+
+
 def open_log(url: str, run_id: str, *, read_only: bool = False) -> EventLog:
     """Open run ``run_id``'s log on the backend ``url`` names; ``read_only``: an embedded
     database must exist and is not written (Kafka topics are only created by writers)."""
-    scheme = _scheme(url)
-    if scheme == "sqlite":
+    check_log_url(url)
+    if _scheme(url) == "sqlite":
         from eventlog.embedded import EmbeddedLog
 
         return EmbeddedLog(url, run_id, read_only=read_only)
-    if scheme == "kafka":
-        from eventlog.kafka import KafkaLog
+    from eventlog.kafka import KafkaLog
 
-        return KafkaLog(url, run_id)
-    raise ConfigError(f"unknown log backend {scheme!r} in {url!r}; use sqlite:// or kafka://")
+    return KafkaLog(url, run_id)
 
 
 def open_coordinator(url: str, *, read_only: bool = False) -> Coordinator:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from eventlog.backends import RunAddress
+from eventlog.backends import RunAddress, check_log_url
 from eventlog.embedded import path_from_url
 from eventlog.errors import ConfigError
 from snapshotter.policies import Retention, Trigger, every_seconds, every_versions, keep_last
@@ -63,6 +63,7 @@ class Snapshots:
         url = self.store or address.snapshots_url
         if url:
             return SnapshotStore(url).url
+        check_log_url(address.log_url)  # a mistyped URL is named as that, not as a missing store
         if address.log_url.startswith("sqlite://"):
             return SnapshotStore(path_from_url(address.log_url).resolve().parent / "snapshots").url
         raise ConfigError(

@@ -417,6 +417,10 @@ def test_run_dir_addressing(tmp_path: Path) -> None:
         f"{tmp_path}#ID)"
     named = RunAddress.from_run_dir(tmp_path, "beta")
     assert (named.run_id, named.log_url) == ("beta", run.url)
+    with pytest.raises(ConfigError) as info:  # the database named instead of its directory
+        RunAddress.from_run_dir(tmp_path / "rewind.db")
+    assert str(info.value) == f"{tmp_path / 'rewind.db'} is the run's database: pass the directory " \
+        f"that holds it (--run-dir {tmp_path})"
 
     empty = tmp_path / "empty"
     empty.mkdir()

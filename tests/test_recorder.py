@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -237,6 +238,11 @@ def test_snapshots_of_a_kafka_run_need_a_store() -> None:
     address = RunAddress("kafka://127.0.0.1:1", "redis://127.0.0.1:1/0", "r")
     with pytest.raises(ConfigError, match="its snapshots need a store"):
         Recorder(address, torch.nn.Linear(2, 2), snapshots=every_versions(10))
+    # A mistyped log URL is named as that, not as a run without a store.
+    for url, said in (("kafak://127.0.0.1:1", "unknown log backend 'kafak' in 'kafak://127.0.0.1:1'"),
+                      ("/tmp/x.db", "backend URL '/tmp/x.db' has no scheme")):
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            Recorder(RunAddress(url, url, "r"), torch.nn.Linear(2, 2), snapshots=every_versions(10))
 
 
 def test_snapshots_must_be_a_policy(tmp_path: Path) -> None:
