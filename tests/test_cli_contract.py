@@ -93,6 +93,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         copies[name] = tmp / name
         shutil.copytree(run, copies[name])
     _damage_a_snapshot(copies["damaged"])
+    (tmp / "a-file").write_text("not a directory")
     before = _files(run)
     rd = ["--run-dir", str(run)]
     cases: dict[str, list[str]] = {
@@ -132,6 +133,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "error/offset-past-end": ["replay", *rd, "--to", "offset=999999"],
         "error/gsn-past-end": ["replay", *rd, "--to", "gsn=99999999"],
         "error/plot-format": ["plot", *rd, "--out", str(tmp / "timeline.txt")],
+        "error/export-to-a-file": ["export", *rd, "--out", str(tmp / "a-file")],
         "ok/plot-suffix": ["plot", *rd, "--out", str(tmp / "timeline"), "--json"],
         "error/keep-best": ["snapshotter", *rd, "--keep-best", "reward:x", "--json"],
         "error/kafka": ["history", "--log", f"kafka://127.0.0.1:{_closed_port()}", "--run", RUN],
@@ -268,6 +270,7 @@ def test_the_packages_load_each_name_on_first_use() -> None:
     ("offset-past-end", "offset=999999 is past the end of the control partition (its end offset is "),
     ("gsn-past-end", "gsn=99999999 is past the newest gsn the control partition records ("),
     ("plot-format", "timeline.txt: the timeline is a PNG; name a .png file"),
+    ("export-to-a-file", "a-file is a file: name the directory to write"),
 ])
 def test_a_rewind_error_exits_2_in_one_line(cli: tuple[Path, dict[str, Result]], case: str,
                                             says: str) -> None:

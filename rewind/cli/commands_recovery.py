@@ -83,6 +83,12 @@ def replay_cmd(
     return OK
 
 
+def out_dir(out: Path) -> None:
+    """Refuse an ``--out`` that is a file, before any replay (a directory is written into)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: name the directory to write")
+
+
 def recover(
     out: Annotated[Path, typer.Option("--out", help="checkpoint directory to write")],
     to: To = "latest", workers: Workers = 2, json_out: AsJson = False,
@@ -92,6 +98,7 @@ def recover(
     """Write a restorable checkpoint (torch state_dicts, msgpack states, recovery.json)."""
     from replayer.replay import write_checkpoint
 
+    out_dir(out)
     target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     state, report = replay_with_progress(address, target, workers)
@@ -122,6 +129,7 @@ def export(
         raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     if config_hook:
         load_hook(config_hook)
+    out_dir(out)
     target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     state, report = replay_with_progress(address, target, workers)
