@@ -137,6 +137,9 @@ def export(
     if json_out:
         emit_json("export", True, report=report.to_json(), format=fmt, files=[str(p) for p in files])
         return OK
+    lacking = fmt == "hf" and not any(p.name == "config.json" for p in files)
     print_lines([*(f"wrote {p}" for p in files),
-                  f"exported version {report.version} (step {report.step}) as {fmt}"])
+                 f"exported version {report.version} (step {report.step}) as {fmt}",
+                 *(["no config.json: the run recorded no model config (--config-hook writes one)"]
+                   if lacking else [])])
     return OK
