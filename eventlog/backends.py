@@ -74,18 +74,18 @@ def _scheme(url: str) -> str:
     return scheme
 
 
-def check_log_url(url: str) -> None:
-    """Raise the error ``open_log`` would for a URL that names no log backend."""
+def check_log_url(url: str) -> str:
+    """The scheme of a log URL; the error ``open_log`` would raise for one no backend takes."""
     scheme = _scheme(url)
     if scheme not in ("sqlite", "kafka"):
         raise ConfigError(f"unknown log backend {scheme!r} in {url!r}; use sqlite:// or kafka://")
+    return scheme
 
 
 def open_log(url: str, run_id: str, *, read_only: bool = False) -> EventLog:
     """Open run ``run_id``'s log on the backend ``url`` names; ``read_only``: an embedded
     database must exist and is not written (Kafka topics are only created by writers)."""
-    check_log_url(url)
-    if _scheme(url) == "sqlite":
+    if check_log_url(url) == "sqlite":
         from eventlog.embedded import EmbeddedLog
 
         return EmbeddedLog(url, run_id, read_only=read_only)

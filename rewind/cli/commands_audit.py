@@ -123,9 +123,7 @@ def plot(
 ) -> int:
     """Draw a PNG timeline of metrics, versions, snapshots and recoveries."""
     from replayer.audit import plot as run_plot
-    from replayer.audit import plot_path
 
-    plot_path(out)  # before reading the run
     address = address_of(run_dir, log, coord, run, read_only=True)
     path = run_plot(address, out)
     if json_out:
