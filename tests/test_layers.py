@@ -1,12 +1,16 @@
 """The layers import one way only: schemas <- eventlog <- snapshotter <- replayer <- rewind.
 
 Every import statement of every module is read (module level and inside functions), so a
-lazy upward import fails here as surely as a top-level one.
+lazy upward import fails here as surely as a top-level one. The same reading checks that
+every runtime dependency is imported by the package.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -60,3 +64,20 @@ def test_rewind_lists_the_documented_api() -> None:
                  "every_versions", "keep_last"):
         assert name in rewind.__all__
         assert getattr(rewind, name) is not None
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_runtime_dependency_is_imported_by_the_package() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_normalized(re.split(r"[<>=!~ \[;]", spec, maxsplit=1)[0]) for spec in project["dependencies"]}
+    provides: dict[str, set[str]] = {}
+    for module, dists in importlib.metadata.packages_distributions().items():
+        for dist in dists:
+            provides.setdefault(_normalized(dist), set()).add(module)
+    imported = {module.split(".")[0] for layer in LAYERS for path in (ROOT / layer).rglob("*.py")
+                for _, module in _imported(path)}
+    unused = sorted(dist for dist in wanted if not provides.get(dist, set()) & imported)
+    assert unused == [], "runtime dependencies no product module imports (move them to an extra)"
