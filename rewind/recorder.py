@@ -69,11 +69,11 @@ from replayer.replay import restorer as restorer_of
 from rewind import allocator, distributed, fingerprint, ranks_commit
 from rewind.results import CommitResult, RestoreResult
 from rewind.snapshots import Snapshots, with_store
+from rewind.version import REWIND_VERSION
 from schemas import SCHEMA_VERSION
 from snapshotter.policies import Trigger
 from snapshotter.service import CommittedSnapshots, SnapshotSource, SnapshotterThread
 
-REWIND_VERSION = "0.1.0"
 T = TypeVar("T")
 _KINDS: dict[str, type[Any]] = {
     "scheduler": SchedulerStep, "sampler": SamplerCursor, "rng": RngAdvance,

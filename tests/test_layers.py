@@ -1,12 +1,17 @@
 """The layers import one way only: schemas <- eventlog <- snapshotter <- replayer <- rewind.
 
 Every import statement of every module is read (module level and inside functions), so a
-lazy upward import fails here as surely as a top-level one.
+lazy upward import fails here as surely as a top-level one. The same reading checks that
+only ``eventlog.settings`` reads the environment, and that every runtime dependency is
+imported by the package.
 """
 
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -60,3 +65,56 @@ def test_rewind_lists_the_documented_api() -> None:
                  "every_versions", "keep_last"):
         assert name in rewind.__all__
         assert getattr(rewind, name) is not None
+
+
+#: Product modules that may read the process environment, and why.
+READS_ENVIRONMENT = {
+    # The one door: Settings (read once), Deployment (at each use) and host_variable.
+    "eventlog/settings.py",
+}
+_ENVIRONMENT_NAMES = {"environ", "environb", "getenv", "getenvb"}
+
+
+def _environment_reads(path: Path) -> list[str]:
+    """Each place ``path`` touches the process environment (``os.environ``, ``os.getenv``,
+    or those names imported from ``os``)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _ENVIRONMENT_NAMES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module in ("os", "posix", "nt"):
+            found += [f"{node.lineno}: from {node.module} import {alias.name}"
+                      for alias in node.names if alias.name in _ENVIRONMENT_NAMES]
+    return found
+
+
+def test_only_the_settings_module_reads_the_environment() -> None:
+    bad = [f"{path.relative_to(ROOT)}:{read}"
+           for layer in LAYERS for path in sorted((ROOT / layer).rglob("*.py"))
+           if path.relative_to(ROOT).as_posix() not in READS_ENVIRONMENT
+           for read in _environment_reads(path)]
+    assert bad == [], "read the environment through eventlog.settings"
+
+
+def test_the_check_finds_an_environment_read(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.py"
+    bad.write_text("import os\nfrom os import getenv\n\ndef f():\n    return os.environ.get('X')\n")
+    assert _environment_reads(bad) == ["2: from os import getenv", "5: .environ"]
+
+
+def _normalized(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def test_every_runtime_dependency_is_imported_by_the_package() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = {_normalized(re.split(r"[<>=!~ \[;]", spec, maxsplit=1)[0]) for spec in project["dependencies"]}
+    provides: dict[str, set[str]] = {}
+    for module, dists in importlib.metadata.packages_distributions().items():
+        for dist in dists:
+            provides.setdefault(_normalized(dist), set()).add(module)
+    imported = {module.split(".")[0] for layer in LAYERS for path in (ROOT / layer).rglob("*.py")
+                for _, module in _imported(path)}
+    unused = sorted(dist for dist in wanted if not provides.get(dist, set()) & imported)
+    assert unused == [], "runtime dependencies no product module imports (move them to an extra)"
