@@ -8,7 +8,6 @@ version it loaded and the state digest it checked against that version's seal.
 
 from __future__ import annotations
 
-import os
 import platform
 import socket
 
@@ -17,6 +16,7 @@ import torch
 from eventlog.commit.pipeline import CommitPipeline
 from eventlog.events import EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import RebuiltState
+from eventlog.settings import host_variable
 from replayer.replay import ReplayReport
 
 
@@ -41,7 +41,7 @@ def environment(reason: str) -> EnvironmentFingerprint:
         cuda_version=torch.version.cuda,
         cudnn_version=None if cudnn_version is None else str(cudnn_version),
         deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
-        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        cublas_workspace_config=host_variable("CUBLAS_WORKSPACE_CONFIG"),
         cudnn_benchmark=bool(cudnn.benchmark),
         cudnn_deterministic=bool(cudnn.deterministic),
         matmul_precision=torch.get_float32_matmul_precision(),

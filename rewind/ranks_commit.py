@@ -41,7 +41,7 @@ from eventlog.commit.pipeline import CommitPipeline
 from eventlog.digests import tensor_digest
 from eventlog.errors import ConfigError, DecodeError, RewindError, RunNotFoundError, StaleVersionError
 from eventlog.events import Body, OptimizerStep, RunStarted, TensorSpec
-from eventlog.fold.apply import TensorBits
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.optimstep import StepCapture
 from eventlog.ports import CONTROL

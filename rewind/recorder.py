@@ -34,7 +34,8 @@ from eventlog.commit.pipeline import SMALL_KINDS, CommitPipeline
 from eventlog.digests import shard_digest, tensor_digest
 from eventlog.errors import ConfigError, RewindError, RunNotFoundError, StaleVersionError
 from eventlog.events import Body, CustomState, EnvironmentFingerprint
-from eventlog.fold.apply import ShardState, TensorBits
+from eventlog.fold.apply import ShardState
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.layout import assign_shards
 from eventlog.optimstep import StepCapture

@@ -52,9 +52,9 @@ from eventlog.layout import config_digest
 from eventlog.optimstep import CapturedStep
 from eventlog.ports import Coordinator, EventLog
 from eventlog.settings import Settings
+from eventlog.version import REWIND_VERSION
 from schemas import SCHEMA_VERSION
 
-REWIND_VERSION = "0.1.0"
 T = TypeVar("T")
 #: The event type of each small state, by its role; every other small state is ``CustomState``.
 SMALL_KINDS: dict[str, type[SchedulerStep | SamplerCursor | RngAdvance | CustomState]] = {
