@@ -1,7 +1,8 @@
 """The layers import one way only: schemas <- eventlog <- snapshotter <- replayer <- rewind.
 
 Every import statement of every module is read (module level and inside functions), so a
-lazy upward import fails here as surely as a top-level one. The same reading checks that
+lazy upward import fails here as surely as a top-level one; no modules import each other in
+a circle, even under ``TYPE_CHECKING``. The same reading checks that
 only ``eventlog.settings`` reads the environment, and that every runtime dependency is
 imported by the package.
 """
@@ -56,6 +57,69 @@ def test_the_check_finds_an_upward_import(tmp_path: Path) -> None:
     bad = tmp_path / "bad.py"
     bad.write_text("def f():\n    from replayer.replay import replay\n    return replay\n")
     assert _imported(bad) == [(2, "replayer.replay")]
+
+
+def _module_graph(root: Path, packages: list[str]) -> dict[str, set[str]]:
+    """Each module of ``packages`` (under ``root``) and the modules of theirs it imports
+    (``from a import b`` imports module ``a.b`` where there is one)."""
+    paths = {}
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            name = ".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__")
+            paths[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found |= {node.module, *(f"{node.module}.{alias.name}" for alias in node.names)}
+        # A module's own packages are imported before it: they are no edge of a circle.
+        graph[name] = {m for m in found if m in paths and m != name and not name.startswith(m + ".")}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected sets of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            members = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(members) > 1:
+                found.append(sorted(members))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle() -> None:
+    assert _circles(_module_graph(ROOT, LAYERS)) == []
+
+
+def test_the_check_finds_a_circle(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg import b\n")
+    (tmp_path / "pkg" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                           "    from pkg.a import x\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    assert _circles(_module_graph(tmp_path, ["pkg"])) == [["pkg.a", "pkg.b"]]
 
 
 def test_rewind_lists_the_documented_api() -> None:

@@ -39,7 +39,7 @@ def test_a_run_records_the_installed_distributions_version(tmp_path: Path) -> No
 
 def test_a_source_tree_never_installed_claims_no_release() -> None:
     # -S: no site-packages, so no installed rewind distribution; the tree itself is importable.
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from rewind.version import REWIND_VERSION; " \
+    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from eventlog.version import REWIND_VERSION; " \
            "print(REWIND_VERSION)"
     proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
