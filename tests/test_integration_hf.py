@@ -21,6 +21,9 @@ from typing import Any
 
 import pytest
 
+from replayer.audit import history
+from rewind import ConfigError, RewindError, RunAddress
+
 #: One process imports torch and transformers once, then forks one child per run segment
 #: (a child is a whole process: a SIGKILL leaves its recorder's commits where they were).
 #: Each child appends its events to its own JSON-lines file: where training began, each
@@ -405,3 +408,89 @@ def _check(tmp_path: Path, name: str, case: dict[str, Any]) -> list[int]:
         f"run {name!r} is at step {total}, but train() begins at step 0: resume with "
         "trainer.train(resume_from_checkpoint=callback.checkpoint())")}
     return began[1:]
+
+
+def _trainer(tmp_path: Path, callback: Any, *, max_steps: int, workers: int = 0, collator: Any = None,
+             late: bool = False) -> Any:
+    """A tiny GPT-2 ``Trainer`` on 4 samples, 2 a batch (2 steps an epoch). ``late``: the
+    callback is added after the trainer is built, not passed to it."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=1, n_head=2))
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(7))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), per_device_train_batch_size=2,
+                             max_steps=max_steps, save_strategy="no", report_to=[], use_cpu=True,
+                             disable_tqdm=True, dataloader_num_workers=workers)
+    trainer = Trainer(model=model, args=args, train_dataset=data, data_collator=collator,
+                      callbacks=[] if late else [callback])
+    if late:
+        trainer.add_callback(callback)
+    return trainer
+
+
+def _callback(tmp_path: Path, run: str, **options: Any) -> Any:
+    """A ``RewindCallback`` recording ``run`` in an embedded log under ``tmp_path``."""
+    from rewind.integrations.hf import RewindCallback
+
+    db = f"sqlite://{tmp_path / 'run.db'}"
+    return RewindCallback(RunAddress(db, db, run), **options)
+
+
+def _refusal(trainer: Any, callback: Any, error: type[Exception]) -> str:
+    """The message ``train()`` on ``callback.checkpoint()`` fails with."""
+    with pytest.raises(error) as refused:
+        trainer.train(resume_from_checkpoint=callback.checkpoint())
+    return str(refused.value)
+
+
+class _OwnRng:
+    """A collator with its own generator (it masks no label: its draws only move it)."""
+
+    def __init__(self) -> None:
+        import torch
+        self.generator = torch.Generator().manual_seed(11)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+        torch.rand(1, generator=self.generator)
+        ids = torch.stack([f["input_ids"] for f in features])
+        return {"input_ids": ids, "labels": ids}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.generator.set_state(state["generator"])
+
+
+@pytest.mark.slow
+def test_a_recorded_collator_in_worker_processes_is_refused(tmp_path: Path) -> None:
+    """A collator recorded as an extra but run in dataloader workers (its state there cannot
+    be seen) is refused when training begins, before any step."""
+    collator = _OwnRng()
+    rewind = _callback(tmp_path, "workers", extra={"collator": collator})
+    trainer = _trainer(tmp_path, rewind, max_steps=2, workers=2, collator=collator)
+    assert _refusal(trainer, rewind, ConfigError) == (
+        "RewindCallback(extra=...): 'collator' is the data collator, which runs in 2 dataloader worker "
+        "processes, where its state cannot be recorded: train with dataloader_num_workers=0")
+    assert trainer.state.global_step == 0
+
+
+@pytest.mark.slow
+def test_a_finished_run_is_not_trained_further_by_a_callback_added_late(tmp_path: Path) -> None:
+    """A callback added with ``add_callback`` does not see the trainer's arguments, so
+    ``checkpoint()`` cannot tell the trainer the run is finished: started again on a run that
+    ended mid-epoch, train() is refused before it trains a step, and the run stays at its end."""
+    first = _callback(tmp_path, "late")
+    _trainer(tmp_path, first, max_steps=3, late=True).train(resume_from_checkpoint=first.checkpoint())
+    again = _callback(tmp_path, "late")
+    trainer = _trainer(tmp_path, again, max_steps=3, late=True)
+    assert _refusal(trainer, again, RewindError) == (
+        "run 'late' is finished (step 3 of 3) but the trainer is about to train another epoch: pass the "
+        "callback as Trainer(callbacks=[...]) so checkpoint() sees its arguments")
+    assert trainer.state.global_step == 3
+    _, rows = history(again.address)
+    assert [row.step for row in rows if row.kind == "version"] == [1, 2, 3]

@@ -64,7 +64,8 @@ refused with an error that says so.)
 Limits: one process (``world_size`` 1); a map-style dataset; a dataset that does not draw
 from the global RNGs, and, with ``dataloader_num_workers`` above 0, a collator that does
 not either (the dataloader fetches batches ahead of the step that uses them; in worker
-processes its calls cannot be seen). The trainer's ``total_flos`` and ``log_history`` are
+processes its calls cannot be seen: a collator recorded through ``extra`` is refused
+there). The trainer's ``total_flos`` and ``log_history`` are
 not part of a version.
 """
 
@@ -604,12 +605,20 @@ def _record_collate(loader: Any, extra: Mapping[str, Stateful]) -> _Fetches | No
     collator runs in worker processes, where the calls cannot be seen)."""
     # accelerate's DataLoaderShard iterates the torch DataLoader it holds.
     base = getattr(loader, "base_dataloader", loader)
-    if getattr(base, "num_workers", 0) or not callable(getattr(base, "collate_fn", None)):
+    collate = getattr(base, "collate_fn", None)
+    if not callable(collate):
         return None
-    collate = base.collate_fn
     if isinstance(collate, _RecordedCollate):
         collate = collate.inner
     chain = _collator_objects(collate)
-    fetches = _Fetches({n: o for n, o in extra.items() if any(o is c for c in chain)})
+    objects = {n: o for n, o in extra.items() if any(o is c for c in chain)}
+    workers = getattr(base, "num_workers", 0)
+    if workers and objects:
+        raise ConfigError(f"RewindCallback(extra=...): {next(iter(objects))!r} is the data collator, which "
+                          f"runs in {workers} dataloader worker processes, where its state cannot be "
+                          "recorded: train with dataloader_num_workers=0")
+    if workers:
+        return None
+    fetches = _Fetches(objects)
     base.collate_fn = _RecordedCollate(collate, fetches)
     return fetches
