@@ -262,3 +262,38 @@ def test_a_commit_due_on_an_epochs_last_batch_is_made_on_the_next_batch(tmp_path
         # restored the one at step 9 and made the rest.
         assert _version_steps(chain[1]) == [[s for s in steps if s <= kill], [s for s in steps if s > kill]]
         assert _check_chain(chain, [kill], total=16) == [0, 9]
+
+
+def test_an_iterator_never_advanced_draws_nothing_and_one_that_cannot_be_taken_back_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``iter()`` twice on a ``ResumableLoader`` (Lightning's check, then its fit) leaves the
+    RNGs where one ``iter()`` on the bare ``DataLoader`` leaves them, and yields the same
+    batches; when random numbers were drawn between the two, the first one's draw cannot be
+    taken back, and a WARNING says so."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from rewind.integrations.lightning import ResumableLoader
+
+    def loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
+
+    def run(wrapped: bool, draw_between: bool) -> tuple[list[list[int]], torch.Tensor]:
+        torch.manual_seed(3)
+        data = ResumableLoader(loader()) if wrapped else loader()
+        if wrapped:
+            iter(data)
+        if draw_between:
+            torch.rand(1)
+        batches = [b[0].tolist() for b in data]
+        return batches, torch.get_rng_state()
+
+    bare_batches, bare_rng = run(wrapped=False, draw_between=False)
+    batches, rng = run(wrapped=True, draw_between=False)
+    assert batches == bare_batches and torch.equal(rng, bare_rng)
+    assert not caplog.records
+    run(wrapped=True, draw_between=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ResumableLoader: an iterator that was never used drew random numbers that cannot be taken back "
+        "(more were drawn since): this fit draws one more seed than the same fit with the bare loader"]
