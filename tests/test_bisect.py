@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,15 @@ from rewind.recorder import Recorder
 pytestmark = pytest.mark.xdist_group("test_bisect")
 
 STEPS, K, LR, NEW_LR, NUDGE = 12, 7, 0.01, 0.02, 0.25
+LONG = ("an_encoder_block_with_a_rather_long_descriptive_name", "decoder_projection_layer")
 REWIND = shutil.which("rewind")
 
 
 def train(root: Path, run: str, *, seed: int = 0, perturb_at: int | None = None,
-          draw_at: int | None = None, lr_from: int | None = None, threads: int | None = None) -> str:
-    """A seeded trainer (steps 1..STEPS, so version == step); returns its bisect spec."""
+          draw_at: int | None = None, lr_from: int | None = None, threads: int | None = None,
+          names: tuple[str, str] = ("0", "2")) -> str:
+    """A seeded trainer (steps 1..STEPS, so version == step); returns its bisect spec.
+    ``names``: its two layers' names."""
     url = f"sqlite://{root / run}.db"
     before = torch.get_num_threads()
     if threads is not None:
@@ -36,7 +41,8 @@ def train(root: Path, run: str, *, seed: int = 0, perturb_at: int | None = None,
     try:
         torch.manual_seed(seed)
         first = torch.nn.Linear(6, 5)
-        model = torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        model = torch.nn.Sequential(OrderedDict([(names[0], first), ("1", torch.nn.Tanh()),
+                                                 (names[1], torch.nn.Linear(5, 3))]))
         opt = torch.optim.Adam(model.parameters(), lr=LR)
         with Recorder(RunAddress(url, url, run), model, opt, chunk_bytes=64) as rec:
             for step in range(1, STEPS + 1):
@@ -71,6 +77,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "drawn": train(root, "drawn", draw_at=K),
         "lr": train(root, "lr", lr_from=K),
         "seed": train(root, "seed", seed=1),
+        "long": train(root, "long", names=LONG),
+        "nudged": train(root, "nudged", names=LONG, perturb_at=K),
     }
 
 
@@ -140,7 +148,8 @@ def test_an_extra_random_draw_names_the_rng_stream_and_the_tensors_it_reached(
     doc = bisect_json(runs["a"], runs["drawn"], 1, capsys)
     assert doc["step"] == K
     assert doc["small_states"] == [
-        {"name": "rng", "kind": "RngAdvance", "paths": ["torch: differs (5056 elements)"], "more": 0}]
+        {"name": "rng", "kind": "RngAdvance", "paths": ["torch: differs (5056 elements)"], "more": 0,
+         "total": 1}]
     reached = {t["name"] for t in doc["tensors"]}
     assert {"model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias"} <= reached
     step = doc["optimizer_step"]
@@ -174,6 +183,22 @@ def test_runs_that_differ_from_the_start_are_reported_so(runs: dict[str, str],
     assert any("different initialization or config" in n for n in doc["notes"])
     assert doc["replayed"] == {"a": [1], "seed": [1]}
     assert "differ from the start" in in_process(capsys, "bisect", runs["a"], runs["seed"])[1]
+
+
+def test_the_report_fits_80_columns_when_piped(runs: dict[str, str]) -> None:
+    assert REWIND is not None
+    for pair, name, counts in ((("a", "drawn"), "model/2.bias", "3 of 3"),
+                               (("long", "nudged"), f"model/{LONG[0]}.weight", "1 of 30")):
+        result = subprocess.run([REWIND, "bisect", *(runs[r] for r in pair)], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "COLUMNS": "80"})
+        assert result.returncode == 1, result.stderr
+        lines = result.stdout.splitlines()
+        assert max(map(len, lines)) <= 80, result.stdout
+        # A table's row is whole: a tensor's name, on the row or alone below it, and its counts.
+        rows = [i for i, ln in enumerate(lines) if ln.split() and ln.split()[-1] == name]
+        whole = [f" {counts} " in lines[i] or (lines[i].strip() == name and f" {counts} " in lines[i - 1])
+                 for i in rows]
+        assert whole and all(whole), result.stdout
 
 
 def test_a_bad_run_is_one_error_line_and_exit_2(runs: dict[str, str], tmp_path: Path,
