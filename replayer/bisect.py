@@ -254,7 +254,12 @@ def _compare_sides(report: BisectReport, side_a: _Side, side_b: _Side, layout_a:
     view_a, view_b = global_view(side_a.state), global_view(side_b.state)
     report.world = [view_a.world, view_b.world]
     report.layout = _layout_differences(layout_a, layout_b, view_a, view_b)
-    common = _common_ranks(view_a, view_b, report)
+    common = _common_ranks(view_a, view_b)
+    if view_a.world != view_b.world and common is not None:
+        ranks = ", ".join(map(str, range(common, max(view_a.world, view_b.world))))
+        more = "A" if view_a.world > view_b.world else "B"
+        report.notes.append(f"rank{'s' if ',' in ranks else ''} {ranks} only in {more}'s world: their own "
+                            "states are not compared")
     report.tensors = _tensor_differences(view_a, view_b, common)
     report.small_states, report.measurements = _small_differences(view_a, view_b, common, report.strict)
     if report.measurements:
@@ -265,18 +270,11 @@ def _compare_sides(report: BisectReport, side_a: _Side, side_b: _Side, layout_a:
     report.hyperparameters = _hyperparameters(side_a, side_b, view_a, view_b)
 
 
-def _common_ranks(a: GlobalView, b: GlobalView, report: BisectReport) -> int | None:
-    """The ranks whose own states both versions hold (``None``: neither is multi-rank); a
-    note names the ranks only one run's world size has."""
+def _common_ranks(a: GlobalView, b: GlobalView) -> int | None:
+    """How many ranks' own states both versions hold (``None``: neither is multi-rank)."""
     if not a.world and not b.world:
         return None
-    common = min(a.world or 1, b.world or 1)
-    if a.world != b.world:
-        more = "A" if (a.world or 1) > (b.world or 1) else "B"
-        ranks = ", ".join(map(str, range(common, max(a.world, b.world))))
-        report.notes.append(f"the own states of rank{'s' if ',' in ranks else ''} {ranks} (only in "
-                            f"{more}'s world) are not compared")
-    return common
+    return min(a.world or 1, b.world or 1)
 
 
 def _measurements_at(report: BisectReport, runs: tuple[RunAddress, RunAddress],
@@ -290,8 +288,7 @@ def _measurements_at(report: BisectReport, runs: tuple[RunAddress, RunAddress],
         names = {t.name for t in index.layout_at(info.version).tensors}
         world = recorded_world(states, names)
         views.append(GlobalView(world, {}, live_states(states, world), {}))
-    common = None if not views[0].world and not views[1].world else min(views[0].world, views[1].world)
-    _, report.measurements = _small_differences(views[0], views[1], common, False)
+    _, report.measurements = _small_differences(views[0], views[1], _common_ranks(*views), False)
     report.measurements_step = sa.step
 
 

@@ -133,6 +133,6 @@ def test_a_resharded_multirank_run_is_compared_gathered(
     assert (first["shape"], first["differing"], first["numel"]) == ([6, 8], 48, 48)
     assert doc["small_states"] == []  # ranks 0 and 1 drew alike; ranks 2 and 3 are not compared
     assert doc["layout"] == ["world size: 2 vs 4"]
-    assert "the own states of ranks 2, 3 (only in B's world) are not compared" in doc["notes"]
+    assert "ranks 2, 3 only in B's world: their own states are not compared" in doc["notes"]
     lines = text.splitlines()
     assert len(lines) < 40 and not [ln for ln in lines if re.search(r"\brank\d+/", ln)], text
