@@ -29,11 +29,28 @@ LONG = ("an_encoder_block_with_a_rather_long_descriptive_name", "decoder_project
 REWIND = shutil.which("rewind")
 
 
+class Control:
+    """A ``Stateful`` whose flags come back in another key order from step ``reorder_from``
+    on, as a resumed HF trainer's ``TrainerControl`` args do."""
+
+    def __init__(self, reorder_from: int | None) -> None:
+        self.step, self.reorder_from = 0, reorder_from
+
+    def state_dict(self) -> dict[str, Any]:
+        flags = {"should_log": self.step % 2 == 0, "should_save": False, "step": self.step}
+        if self.reorder_from is not None and self.step >= self.reorder_from:
+            flags = dict(sorted(flags.items(), reverse=True))
+        return {"args": flags}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["args"]["step"])
+
+
 def train(root: Path, run: str, *, seed: int = 0, perturb_at: int | None = None,
           draw_at: int | None = None, lr_from: int | None = None, threads: int | None = None,
-          names: tuple[str, str] = ("0", "2")) -> str:
+          names: tuple[str, str] = ("0", "2"), reorder_from: int | None = None) -> str:
     """A seeded trainer (steps 1..STEPS, so version == step); returns its bisect spec.
-    ``names``: its two layers' names."""
+    ``names``: its two layers' names; ``reorder_from``: record a ``Control`` too."""
     url = f"sqlite://{root / run}.db"
     before = torch.get_num_threads()
     if threads is not None:
@@ -44,8 +61,11 @@ def train(root: Path, run: str, *, seed: int = 0, perturb_at: int | None = None,
         model = torch.nn.Sequential(OrderedDict([(names[0], first), ("1", torch.nn.Tanh()),
                                                  (names[1], torch.nn.Linear(5, 3))]))
         opt = torch.optim.Adam(model.parameters(), lr=LR)
-        with Recorder(RunAddress(url, url, run), model, opt, chunk_bytes=64) as rec:
+        control = Control(reorder_from)
+        extra = {"control": control} if reorder_from is not None else None
+        with Recorder(RunAddress(url, url, run), model, opt, chunk_bytes=64, extra=extra) as rec:
             for step in range(1, STEPS + 1):
+                control.step = step
                 if step == draw_at:
                     torch.rand(1)  # one extra draw: the batch below comes out different
                 if step == lr_from:
@@ -79,6 +99,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "seed": train(root, "seed", seed=1),
         "long": train(root, "long", names=LONG),
         "nudged": train(root, "nudged", names=LONG, perturb_at=K),
+        "keys": train(root, "keys", reorder_from=STEPS + 1),
+        "reordered": train(root, "reordered", reorder_from=K),
     }
 
 
@@ -115,6 +137,17 @@ def test_identical_runs_exit_0(runs: dict[str, str], capsys: pytest.CaptureFixtu
     assert "identical: every common step has the same state digest (12 common steps" in out
     doc = bisect_json(runs["a"], runs["same"], 0)
     assert doc["status"] == "identical" and doc["step"] is None and doc["replayed"] == {}
+
+
+def test_small_states_equal_as_values_are_identical_whatever_their_key_order(
+        runs: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    result = rewind("bisect", runs["keys"], runs["reordered"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = " ".join(result.stdout.split())
+    assert "identical: every common step has equal states (12 common steps" in said
+    assert f"{STEPS - K + 1} common steps with other small-state bytes hold equal values" in said
+    doc = bisect_json(runs["keys"], runs["reordered"], 0, capsys)
+    assert (doc["encoded_steps"], doc["differing_steps"], doc["replayed"]) == (STEPS - K + 1, 0, {})
 
 
 def test_a_perturbed_weight_is_named_with_its_one_element_and_difference(
