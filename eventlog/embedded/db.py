@@ -14,7 +14,7 @@ from typing import ParamSpec, TypeVar
 
 import xxhash
 
-from eventlog.errors import CorruptStoreError, EventLogError, RewindError, RunNotFoundError
+from eventlog.errors import ConfigError, CorruptStoreError, EventLogError, RewindError, RunNotFoundError
 from eventlog.ports import MessageBytes
 
 P = ParamSpec("P")
@@ -83,6 +83,28 @@ def record_sum(message: MessageBytes | memoryview, ends: int | None = None) -> i
         h.update(_span(parts, size - ends, size))
     value = h.intdigest()
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def valid_run_id(value: object) -> bool:
+    """Whether ``value`` can be a run id: non-empty text of printable characters."""
+    return isinstance(value, str) and value != "" and value.isprintable()
+
+
+def check_run_id(run_id: object) -> str:
+    """``run_id``, refused (``ConfigError``) unless it can be a run id (``valid_run_id``)."""
+    if not valid_run_id(run_id):
+        raise ConfigError(f"run id {run_id!r} is not a run id: use non-empty text of printable characters")
+    return str(run_id)
+
+
+def run_id_read(value: object, path: Path, what: str) -> str:
+    """A run id read from the database at ``path`` (``what``: where it was read). One that
+    reads as NULL, or as anything else that is not a run id, is damage (a damaged page or
+    index hands back such values): the error names the file."""
+    if valid_run_id(value):
+        return str(value)
+    raise CorruptStoreError(f"embedded database {path} is damaged: {what} holds run id {value!r}, "
+                            "which is not a run id")
 
 
 def checksum_mismatch(where: str) -> CorruptStoreError:
