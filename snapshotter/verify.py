@@ -157,6 +157,35 @@ def _patrol(report: VerifyReport, log: EventLog, address: RunAddress, workers: i
     parts = _partitions(report, log, idx)
     _check_log(report, log, idx, Starts(store, log, idx, valid, workers, parts), workers, deep)
     _check_resumes(report, log, idx)
+    _check_fencing(report, log, idx)
+
+
+def _check_fencing(report: VerifyReport, log: EventLog, idx: ControlIndex) -> None:
+    """Every writer that recorded sessions (a recorder names its events ``WRITER#SESSION``,
+    and logs each session's environment) must hold an epoch in the store at least as high
+    as their count: each session registered once, one epoch past the last. A lower one, or
+    none, lets the next writer with that id register at an epoch a fenced one may hold."""
+    try:
+        epochs = log.writer_epochs()
+    except CorruptStoreError as exc:
+        report.findings.append(Finding("writers", FAIL, f"{exc}; no writer's fencing epoch can be checked"))
+        return
+    if epochs is None:
+        return
+    sessions: dict[str, set[str]] = {}
+    named = [env.writer for _, env in idx.environment] + [info.writer for info in idx.seals.values()]
+    for name in named:
+        writer, sep, session = name.rpartition("#")
+        if sep and writer:
+            sessions.setdefault(writer, set()).add(session)
+    for writer, seen in sorted(sessions.items()):
+        held = epochs.get(writer)
+        if held is None or held < len(seen):
+            said = "no epoch" if held is None else f"epoch {held}"
+            report.findings.append(Finding(f"writer {writer}", FAIL, (
+                f"the log records {len(seen)} sessions of it, each registered at a new epoch, but the store "
+                f"holds {said} for it: its row in the writers table is damaged, and the next writer with "
+                f"that id would register at an epoch a fenced one may hold (in {log.record_file(CONTROL)})")))
 
 
 def _partitions(report: VerifyReport, log: EventLog, idx: ControlIndex) -> list[int]:

@@ -194,3 +194,26 @@ def test_a_replay_names_a_damaged_records_index_as_verify_does(copy: Path) -> No
         replay(_address(copy), Target())
     report = verify_run(_address(copy))
     assert any(said in d.error for d in report.damaged), report.findings
+
+
+@pytest.mark.parametrize("damage", ["epoch 3 -> 2", "writer renamed"])
+def test_a_writers_row_damaged_to_another_valid_value_is_found_by_the_sessions_the_log_records(
+        copy: Path, damage: str) -> None:
+    """The trainer's row changed in place as a flipped byte can, the store still sound to
+    SQLite: its epoch lowered to 2, or its writer id changed. The next trainer would register
+    at epoch 3 or 1, which a fenced trainer of an earlier session holds. The log records three
+    sessions of the trainer: verify finds the store's epoch below that count and fails."""
+    db = copy / "rewind.db"
+    with closing(sqlite3.connect(db)) as conn, conn:
+        if damage == "epoch 3 -> 2":
+            conn.execute("UPDATE writers SET epoch=2 WHERE writer=?", (WRITER,))
+        else:
+            conn.execute("UPDATE writers SET writer=? WHERE writer=?", (f"{RUN}.trainez", WRITER))
+    page_size(db)
+    report = verify_run(_address(copy))
+    held = "epoch 2" if damage == "epoch 3 -> 2" else "no epoch"
+    [found] = [f for f in report.findings if f.status == FAIL]
+    assert found.subject == f"writer {WRITER}" and found.detail.startswith(
+        f"the log records 3 sessions of it, each registered at a new epoch, but the store holds {held} "
+        "for it"), found
+    assert str(db) in found.detail

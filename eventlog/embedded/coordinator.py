@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from eventlog.embedded.db import Database, path_from_url, wrapped
+from eventlog.embedded.db import Database, integer_read, path_from_url, wrapped
 from eventlog.errors import CoordinationError, CorruptStoreError, StaleVersionError
 from eventlog.ports import Coordinator
 
@@ -25,13 +25,13 @@ class EmbeddedCoordinator(Coordinator):
     @wrapped
     def current_version(self, run: str) -> int:
         row = self._db.conn().execute("SELECT version FROM versions WHERE run=?", (run,)).fetchone()
-        return 0 if row is None else int(row[0])
+        return 0 if row is None else self._integer(row[0], f"run {run!r} holds a version of")
 
     @wrapped
     def compare_and_set_version(self, run: str, expected: int, new: int) -> None:
         with self._db.txn() as c:
             row = c.execute("SELECT version FROM versions WHERE run=?", (run,)).fetchone()
-            actual = 0 if row is None else int(row[0])
+            actual = 0 if row is None else self._integer(row[0], f"run {run!r} holds a version of")
             if actual != expected:
                 raise StaleVersionError(expected, actual)
             c.execute("INSERT OR REPLACE INTO versions VALUES (?,?)", (run, new))
@@ -45,7 +45,7 @@ class EmbeddedCoordinator(Coordinator):
     def allocate_gsns(self, run: str, count: int) -> int:
         with self._db.txn() as c:
             row = c.execute("SELECT next_gsn FROM gsns WHERE run=?", (run,)).fetchone()
-            first = 1 if row is None else int(row[0])
+            first = 1 if row is None else self._integer(row[0], f"run {run!r} holds a next gsn of")
             c.execute("INSERT OR REPLACE INTO gsns VALUES (?,?)", (run, first + count))
         return first
 
@@ -134,13 +134,17 @@ class EmbeddedCoordinator(Coordinator):
         rows = self._db.conn().execute(
             "SELECT follower, version, time_ms FROM followers WHERE run=?", (run,)
         ).fetchall()
-        return {f: {"version": int(v), "time_ms": int(t)} for f, v, t in rows}
+        return {f: {"version": self._integer(v, f"follower {f!r} holds a version of"),
+                    "time_ms": self._integer(t, f"follower {f!r} holds a time of")} for f, v, t in rows}
 
     @wrapped
     def forget_follower(self, run: str, follower: str) -> bool:
         with self._db.txn() as c:
             return c.execute("DELETE FROM followers WHERE run=? AND follower=?",
                              (run, follower)).rowcount > 0
+
+    def _integer(self, value: object, what: str) -> int:
+        return integer_read(value, self._db.path, what)
 
     def close(self) -> None:
         self._db.close()

@@ -107,6 +107,15 @@ def run_id_read(value: object, path: Path, what: str) -> str:
                             "which is not a run id")
 
 
+def integer_read(value: object, path: Path, what: str) -> int:
+    """An integer column's value read from the database at ``path`` (``what``: whose, as
+    "run 'r' holds a shard count of"); a damaged page can hand back NULL, text or a blob
+    there: that is damage, and the error names the file."""
+    if isinstance(value, int):
+        return value
+    raise CorruptStoreError(f"embedded database {path} is damaged: {what} {value!r}, not an integer")
+
+
 def checksum_mismatch(where: str) -> CorruptStoreError:
     """The error for a record (``where``: it and its file) whose bytes fail its checksum."""
     return CorruptStoreError(f"{where}: the record's bytes do not make the checksum its row holds: "
@@ -242,6 +251,9 @@ class Database:
         if isinstance(exc, sqlite3.DatabaseError) and (
             "malformed" in msg or "not a database" in msg or "disk image" in msg
         ):
+            return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
+        if isinstance(exc, sqlite3.OperationalError) and msg.startswith("Could not decode to UTF-8"):
+            # Rewind writes only UTF-8 text: a damaged page holds what it read.
             return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
         if isinstance(exc, sqlite3.OperationalError) and msg.startswith(("no such table", "no such column")):
             # The file was opened as a Rewind log, so its schema held every table and column

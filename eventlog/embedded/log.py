@@ -15,6 +15,7 @@ from eventlog.embedded.db import (
     Database,
     check_run_id,
     checksum_mismatch,
+    integer_read,
     path_from_url,
     record_sum,
     run_id_read,
@@ -63,7 +64,8 @@ class EmbeddedLog(EventLog):
         row = self._db.conn().execute(
             "SELECT shards FROM runs WHERE run=?", (self.run_id,)
         ).fetchone()
-        return None if row is None else int(row[0])
+        return None if row is None else \
+            integer_read(row[0], self._db.path, f"run {self.run_id!r} holds a shard count of")
 
     @wrapped
     def writer(self, writer_id: str) -> LogWriter:
@@ -113,12 +115,27 @@ class EmbeddedLog(EventLog):
         ).fetchone()
         return row is not None
 
+    @wrapped
+    def writer_epochs(self) -> dict[str, int] | None:
+        """Read row by row past the index (an epoch that is no integer is left out: the
+        store's check names it)."""
+        epochs: dict[str, int] = {}
+        for writer, epoch in self._db.conn().execute(
+                "SELECT writer, epoch FROM writers NOT INDEXED WHERE run=?", (self.run_id,)):
+            if isinstance(writer, str) and isinstance(epoch, int):
+                epochs[writer] = max(epoch, epochs.get(writer, epoch))
+        return epochs
+
     def _partition_row(self, partition: int) -> tuple[int, int]:
         row = self._db.conn().execute(
             "SELECT next_offset, start_offset FROM partitions WHERE run=? AND partition=?",
             (self.run_id, partition),
         ).fetchone()
-        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+        if row is None:
+            return 0, 0
+        what = f"run {self.run_id!r} partition {partition} holds {{}} offset of"
+        return (integer_read(row[0], self._db.path, what.format("an end")),
+                integer_read(row[1], self._db.path, what.format("a start")))
 
     @wrapped
     def end_offset(self, partition: int) -> int:
