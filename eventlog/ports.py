@@ -163,6 +163,11 @@ class EventLog(abc.ABC):
         index of its own can say yes."""
         return False
 
+    def writer_epochs(self) -> dict[str, int] | None:
+        """The fencing epoch the store holds for each writer id of the run (the highest, where
+        a damaged store holds several); ``None`` where a server keeps them (Kafka's broker)."""
+        return None
+
     @abc.abstractmethod
     def truncate_before(self, partition: int, offset: int) -> None:
         """Delete the records of ``partition`` below ``offset``."""

@@ -20,7 +20,6 @@ import torch
 from eventlog import crypto, serde
 from eventlog.digests import small_digest, state_digest
 from eventlog.errors import (
-    CorruptStoreError,
     DigestMismatchError,
     IntegrityError,
     RunNotFoundError,
@@ -30,6 +29,7 @@ from eventlog.errors import (
 )
 from eventlog.events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
 from eventlog.fold.apply import APPLIED, ApplyCounts, Placement, ShardState, classify, verify_shard
+from eventlog.fold.gaps import skipped
 from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog, MessageStream
@@ -174,6 +174,9 @@ def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlInde
         elif env.kind in ("EnvironmentFingerprint", "Resumed"):
             idx.environment.append((offset, env))
     if not idx.run_started and idx.start_offset == 0 and gt is None:
+        if seen == 0 and log.dense_offsets and idx.end_offset > 0:
+            # Every offset holds a record there: the read skipped them all.
+            raise skipped(log, CONTROL, 0, idx.end_offset)
         if seen == 0:  # nothing committed (aborted transactions may still use offsets)
             raise RunNotFoundError(f"run {log.run_id!r} has no events in {log.url}")
         # Records without a layout is damage, never a fresh run: refuse to start over.
@@ -316,9 +319,9 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
                 past = offset, env
                 break
             if log.dense_offsets and gt is not None and offset != gt + 1:
-                raise CorruptStoreError(f"run {log.run_id!r} shard {state.shard}: the read after offset {gt} "
-                                        f"returned offset {offset}: records {gt + 1}..{offset - 1} are "
-                                        "missing, or the store's index is damaged")
+                error = skipped(log, state.shard, gt + 1, offset)
+                raise type(error)(f"shard {state.shard}: the read after offset {gt} returned offset "
+                                  f"{offset}: {error}")
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
             outcome = state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
             state.next_offset = offset + 1

@@ -7,11 +7,11 @@ takes two runs, each ``DIR``, ``DIR#RUN`` or ``LOG_URL#RUN``. Commands that only
 a log or snapshot store that does not exist is an error, not a new empty one.
 
 Exit status, for every command: 0 success. 1 the command ran and its check failed
-(``verify`` found damage, ``demo`` was not bit-exact, ``diff --exit-code`` found a
-difference, ``bisect`` found two runs that diverge). 2 a usage error (unknown command or
-option, a missing or bad value) or a Rewind error (no such run, damaged data, an
-unreachable server): one line on stderr, ``error: <kind>: <what and where>``, no
-traceback. 130 interrupted (Ctrl-C). Anything else is a bug.
+(``verify`` found damage, a malformed or damaged database included, ``demo`` was not
+bit-exact, ``diff --exit-code`` found a difference, ``bisect`` found two runs that diverge).
+2 a usage error (unknown command or option, a missing or bad value) or a Rewind error (no
+such run, damaged data, an unreachable server): one line on stderr, ``error: <kind>: <what
+and where>``, no traceback. 130 interrupted (Ctrl-C). Anything else is a bug.
 
 An unreachable Kafka broker or Redis server fails within 5 seconds of the first contact.
 

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from eventlog import ConfigError, RunAddress
+from eventlog.backends import run_dir_url
+from eventlog.errors import CorruptStoreError
 from rewind.cli.common import (
     CHECK_FAILED,
     OK,
@@ -135,17 +137,24 @@ def verify(
     snapshots: Snaps = None,
 ) -> int:
     """Check every kept snapshot and every version a replay can reach; exit 1 on damage."""
-    from snapshotter.verify import verify_run
+    from snapshotter.verify import verify_run, verify_store
 
-    address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
-    report = verify_run(address, workers=workers, deep=deep)
+    try:
+        address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
+    except CorruptStoreError as exc:
+        if run_dir is None:
+            raise
+        # The store's run ids do not read (--run not given): the store is what is damaged.
+        report, run_id = verify_store(run_dir_url(run_dir), exc), None
+    else:
+        report, run_id = verify_run(address, workers=workers, deep=deep), address.run_id
     status = OK if report.ok else CHECK_FAILED
     if json_out:
-        emit_json("verify", report.ok, **{**dataclasses.asdict(report), "run": address.run_id,
+        emit_json("verify", report.ok, **{**dataclasses.asdict(report), "run": run_id,
                                            "findings": [dataclasses.asdict(f) for f in report.findings]})
         return status
     width = terminal_width()
-    lines = [f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}"]
+    lines = [f"verify {run_id or '(no run can be named)'}: {'ok' if report.ok else 'PROBLEMS FOUND'}"]
     for f in report.findings:
         text = textwrap.wrap(f"{f.subject}: {f.detail}", width - 6, break_long_words=False,
                              break_on_hyphens=False)
