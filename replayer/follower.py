@@ -14,6 +14,7 @@ every follower's lag.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -45,6 +46,7 @@ from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import ControlIndex, SmallStates, fold_control, fold_shard, index_control
+from eventlog.waits import IDLE_REPEAT_S, warned_wait
 from replayer import assemble
 from replayer.replay import replay
 
@@ -149,10 +151,19 @@ class Follower:
         """Poll every ``interval_s`` until ``stop`` is set; returns how many polls moved the
         model. An error ends the loop (raised to the caller): the model keeps its version."""
         moved = 0
-        while not stop.is_set():
-            if self.poll().mode != NOOP:
-                moved += 1
-            stop.wait(interval_s)
+        with contextlib.ExitStack() as idle:
+            waiting = False
+            while not stop.is_set():
+                if self.poll().mode != NOOP:
+                    moved += 1
+                    idle.close()
+                    waiting = False
+                elif not waiting:  # idle from now on: says so past WARN_AFTER_S
+                    waiting = True
+                    idle.enter_context(warned_wait(
+                        f"a version of run {self.address.run_id!r} after version {self._version} "
+                        f"(follower {self.name}; the trainer commits none)", _log, every_s=IDLE_REPEAT_S))
+                stop.wait(interval_s)
         return moved
 
     def close(self) -> None:
