@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -47,18 +48,24 @@ class _Watchdog:
     """The thread that logs the warnings of the waits that are due."""
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Start afresh (in a forked child: the parent's thread and lock are not its own)."""
         self._cond = threading.Condition()
         self._due: list[tuple[float, int, _Wait]] = []
         self._order = itertools.count()
         self._thread: threading.Thread | None = None
 
     def add(self, wait: _Wait, after_s: float) -> None:
+        entry = (wait.started + after_s, next(self._order), wait)
         with self._cond:
-            heapq.heappush(self._due, (wait.started + after_s, next(self._order), wait))
+            heapq.heappush(self._due, entry)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._serve, name="rewind-waits", daemon=True)
                 self._thread.start()
-            self._cond.notify()
+            if self._due[0] is entry:  # due before the one it sleeps for (else: no wake-up)
+                self._cond.notify()
 
     def remove(self, wait: _Wait) -> None:
         with self._cond:
@@ -82,6 +89,7 @@ class _Watchdog:
 
 
 _WATCHDOG = _Watchdog()
+os.register_at_fork(after_in_child=_WATCHDOG.reset)
 
 
 @contextmanager

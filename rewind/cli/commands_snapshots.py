@@ -107,6 +107,7 @@ def snapshot(
         pass  # the run's log must exist: a snapshot of nothing creates nothing
     with open_snapshotter(address, 1, 0.0, keep, best, every_steps, history, holder,
                       lambda m: say(m, to_stderr=json_out)) as snap:
+        snap.take_lease()  # (waits out the lease of a snapshotter that was killed)
         result = snap.snapshot(force=True)
         retains = keep is not None or best or every_steps is not None or history != "keep-all"
         deleted, truncated = snap.retain() if result is None and retains else ([], None)
