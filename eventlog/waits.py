@@ -7,6 +7,7 @@ a heap push, not a thread: commits wrap each of theirs.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -105,3 +106,31 @@ def warned_wait(what: What, log: logging.Logger, *, after_s: float = WARN_AFTER_
         _WATCHDOG.remove(wait)
         if wait.said:
             log.warning("done waiting for %s after %.0f s", wait.said, time.monotonic() - wait.started)
+
+
+class Idle:
+    """A loop's wait that begins when the loop makes no progress and ends when it does:
+    ``waiting()`` on each turn without progress (the first starts a ``warned_wait``),
+    ``progress()`` on each turn with some. Use it as a context manager."""
+
+    def __init__(self, what: What, log: logging.Logger, *, every_s: float = REPEAT_S) -> None:
+        self._what, self._log, self._every_s = what, log, every_s
+        self._wait: contextlib.AbstractContextManager[None] | None = None
+
+    def waiting(self) -> None:
+        """This turn made no progress: a wait begins, unless one is under way."""
+        if self._wait is None:
+            self._wait = warned_wait(self._what, self._log, every_s=self._every_s)
+            self._wait.__enter__()
+
+    def progress(self) -> None:
+        """This turn made progress: the wait under way, if any, ends."""
+        wait, self._wait = self._wait, None
+        if wait is not None:
+            wait.__exit__(None, None, None)
+
+    def __enter__(self) -> Idle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress()

@@ -14,7 +14,6 @@ every follower's lag.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -46,7 +45,7 @@ from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import ControlIndex, SmallStates, fold_control, fold_shard, index_control
-from eventlog.waits import IDLE_REPEAT_S, warned_wait
+from eventlog.waits import IDLE_REPEAT_S, Idle
 from replayer import assemble
 from replayer.replay import replay
 
@@ -151,18 +150,15 @@ class Follower:
         """Poll every ``interval_s`` until ``stop`` is set; returns how many polls moved the
         model. An error ends the loop (raised to the caller): the model keeps its version."""
         moved = 0
-        with contextlib.ExitStack() as idle:
-            waiting = False
+        with Idle(lambda: f"a version of run {self.address.run_id!r} after version {self._version} "
+                          f"(follower {self.name}; the trainer commits none)", _log,
+                  every_s=IDLE_REPEAT_S) as idle:
             while not stop.is_set():
                 if self.poll().mode != NOOP:
                     moved += 1
-                    idle.close()
-                    waiting = False
-                elif not waiting:  # idle from now on: says so past WARN_AFTER_S
-                    waiting = True
-                    idle.enter_context(warned_wait(
-                        f"a version of run {self.address.run_id!r} after version {self._version} "
-                        f"(follower {self.name}; the trainer commits none)", _log, every_s=IDLE_REPEAT_S))
+                    idle.progress()
+                else:
+                    idle.waiting()
                 stop.wait(interval_s)
         return moved
 

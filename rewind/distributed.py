@@ -68,7 +68,9 @@ class RankGroup:
                               "(dist.init_process_group) first")
         ranks = dist.get_process_group_ranks(group)
         # Collective over the whole world: every rank of the job creates its Recorder.
-        made = dist.new_group(ranks=ranks, backend="gloo", timeout=AGREEMENT_TIMEOUT)
+        with warned_wait(f"every rank of the trainer's group ({len(ranks)} ranks) to create its Recorder",
+                         _log):
+            made = dist.new_group(ranks=ranks, backend="gloo", timeout=AGREEMENT_TIMEOUT)
         if not isinstance(made, dist.ProcessGroup):
             raise RewindError("this rank is not a member of the Recorder's process group")
         self.group: dist.ProcessGroup = made

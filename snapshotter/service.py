@@ -43,7 +43,7 @@ from eventlog.fold.engine import (
     verify_small,
 )
 from eventlog.ports import CONTROL, LogWriter
-from eventlog.waits import IDLE_REPEAT_S, warned_wait
+from eventlog.waits import IDLE_REPEAT_S, Idle
 from schemas import SCHEMA_VERSION
 from snapshotter.catalog import encode_layout, markers, newest_valid, try_delete
 from snapshotter.policies import (
@@ -460,11 +460,11 @@ class Snapshotter:
         if not self.take_lease(stop):
             return written
         seen: int | None = None
-        with contextlib.ExitStack() as idle:
+        with Idle(self._waiting_for, _log, every_s=IDLE_REPEAT_S) as idle:
             while not stop.is_set():
                 result = self.snapshot()
                 if result is not None:
-                    idle.close()
+                    idle.progress()
                     seen = None
                     written += 1
                     if max_snapshots is not None and written >= max_snapshots:
@@ -472,11 +472,11 @@ class Snapshotter:
                 else:
                     self.acquire()  # keeps the lease alive between snapshots
                     if self.version != seen:  # the first look, or a new version: idle anew
-                        idle.close()
+                        idle.progress()
                         if seen is None and not written:
                             self._say(f"snapshotter {self.holder}: waiting for {self._waiting_for()}")
                         seen = self.version
-                        idle.enter_context(warned_wait(self._waiting_for, _log, every_s=IDLE_REPEAT_S))
+                    idle.waiting()
                 stop.wait(self.config.poll_interval_s)
         return written
 
