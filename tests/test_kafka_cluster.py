@@ -261,10 +261,16 @@ def _is_broker(pid: int) -> bool:
 
 
 def _start(node: int | None = None) -> subprocess.Popen[str]:
-    """Start restarting ``node`` (every node that is down if ``None``); ``_started`` waits."""
+    """Start restarting ``node`` (every node that is down if ``None``); ``_started`` waits.
+    The nodes are the ones the pid files name (``scripts/kafka env``), wherever this tree
+    is: a tree of its own would format new nodes, of another cluster."""
     args = [str(ROOT / "scripts" / "kafka"), "start", "--brokers", "3"]
+    env = dict(os.environ)
+    env.setdefault("REWIND_STATE_DIR", str(Path(PIDFILES[0]).parents[2]))
+    if os.environ.get("REWIND_KAFKA_HOME"):  # <cache>/kafka/<version>/libs
+        env.setdefault("REWIND_CACHE_DIR", str(Path(os.environ["REWIND_KAFKA_HOME"]).parents[2]))
     return subprocess.Popen(args + ([] if node is None else ["--node", str(node)]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _started(proc: subprocess.Popen[str]) -> None:
