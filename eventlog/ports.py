@@ -292,6 +292,11 @@ class Coordinator(abc.ABC):
         """The newest fencing token issued for ``name`` (0: never)."""
 
     @abc.abstractmethod
+    def lease_holder(self, name: str) -> tuple[str, float] | None:
+        """Who holds lease ``name`` and in how many seconds it expires unless renewed;
+        ``None`` if it is free (released, expired, or never taken)."""
+
+    @abc.abstractmethod
     def report_follower(self, run: str, follower: str, version: int) -> None:
         """Record the version a follower (actor) runs."""
 

@@ -45,6 +45,7 @@ from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import ControlIndex, SmallStates, fold_control, fold_shard, index_control
+from eventlog.waits import IDLE_REPEAT_S, Idle
 from replayer import assemble
 from replayer.replay import replay
 
@@ -149,10 +150,16 @@ class Follower:
         """Poll every ``interval_s`` until ``stop`` is set; returns how many polls moved the
         model. An error ends the loop (raised to the caller): the model keeps its version."""
         moved = 0
-        while not stop.is_set():
-            if self.poll().mode != NOOP:
-                moved += 1
-            stop.wait(interval_s)
+        with Idle(lambda: f"a version of run {self.address.run_id!r} after version {self._version} "
+                          f"(follower {self.name}; the trainer commits none)", _log,
+                  every_s=IDLE_REPEAT_S) as idle:
+            while not stop.is_set():
+                if self.poll().mode != NOOP:
+                    moved += 1
+                    idle.progress()
+                else:
+                    idle.waiting()
+                stop.wait(interval_s)
         return moved
 
     def close(self) -> None:

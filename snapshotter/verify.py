@@ -266,7 +266,8 @@ def _check_snapshots(report: VerifyReport, store: SnapshotStore | None, log: Eve
         folder = store.directory(log.run_id, sid)
         if marker.end is None:
             report.findings.append(Finding(subject, WARN, f"orphan: begin marker at control "
-                                           f"offset {marker.begin_offset} but no end marker; "
+                                           f"offset {marker.begin_offset} but no end marker (its "
+                                           "snapshotter died or lost its lease while writing it); "
                                            f"files in {folder} are unused"))
             continue
         gone = absence(store, log.run_id, sid)

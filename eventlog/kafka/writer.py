@@ -7,6 +7,7 @@ visible to ``read_committed`` consumers only once it commits.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Iterator
@@ -34,6 +35,7 @@ from eventlog.kafka.config import (
     producer_config,
 )
 from eventlog.ports import CONTROL, LogTransaction, LogWriter, MessageBytes, joined
+from eventlog.waits import warned_wait
 
 #: One attempt of ``commit_transaction``; a commit that takes longer is logged and retried.
 COMMIT_ATTEMPT_S = 10.0
@@ -93,8 +95,11 @@ class KafkaWriter(LogWriter):
         self._producer = client(Producer, conf, "producer")
         # The transaction coordinator may still be loading (fresh broker): retry a bounded
         # number of times. A successful init fences every older producer with this id.
+        what = (f"Kafka's transaction coordinator to initialise {self._what} (init_transactions; "
+                "brokers down, or the transaction log below min.insync.replicas?)")
         try:
-            retrying(attempts=8, max_delay_s=60.0)(lambda: self._producer.init_transactions(20.0))
+            with warned_wait(what, logger):
+                retrying(attempts=8, max_delay_s=60.0)(lambda: self._producer.init_transactions(20.0))
         except KafkaException as exc:
             raise self._fail(exc, "initialising transactions") from exc
 
@@ -182,12 +187,24 @@ class KafkaWriter(LogWriter):
         self._check_alive()
         topic, kp = self._target.locate(partition, produce=True)
         deadline = time.monotonic() + QUEUE_FULL_S
+        with contextlib.ExitStack() as full:
+            self._produce(topic, kp, value, deadline, full)
+        self._producer.poll(0)  # serve delivery reports and logs as we go
+
+    def _produce(self, topic: str, kp: int, value: bytes, deadline: float,
+                 full: contextlib.ExitStack) -> None:
+        waiting = False
         while True:
             try:
                 self._producer.produce(topic, value, partition=kp)
                 self._produced += 1
                 break
             except BufferError:
+                if not waiting:  # said once the queue stays full: a wait on the broker
+                    waiting = True
+                    full.enter_context(warned_wait(
+                        f"the broker to take records of {self._what} (its queue to {topic} [{kp}] is "
+                        "full; brokers down or slow?)", logger))
                 # The local queue is full: wait for the broker to take some (backpressure).
                 if time.monotonic() > deadline:
                     raise EventLogError(
@@ -203,7 +220,6 @@ class KafkaWriter(LogWriter):
                         f"the {MAX_MESSAGE_BYTES}-byte limit; lower REWIND_CHUNK_BYTES"
                     ) from exc
                 raise self._fail(exc, f"producing to {topic} [{kp}]") from exc
-        self._producer.poll(0)  # serve delivery reports and logs as we go
 
     def _commit(self) -> None:
         # Every record must be in the log before the commit (see _check_delivered). A
@@ -305,7 +321,8 @@ class KafkaWriter(LogWriter):
         if self._dead is not None:
             return  # a fenced producer's transaction is aborted by the broker
         try:
-            retrying(attempts=5)(lambda: self._producer.abort_transaction(30.0))
+            with warned_wait(f"Kafka to abort the open transaction of {self._what}", logger):
+                retrying(attempts=5)(lambda: self._producer.abort_transaction(30.0))
         except KafkaException as exc:
             error = self._fail(exc, "aborting a transaction")
             cause.add_note(f"and aborting the transaction failed: {error}")
