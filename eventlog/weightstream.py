@@ -137,8 +137,9 @@ class WeightsStream:
                 env = envelope(delta)
                 if keys is not None:
                     env = crypto.encrypt_event(env, keys)
-                parts, at = serde.encode.in_parts(env)
-                txn.append(WEIGHTS, parts, bulk_at=at)
+                # No bulk hint: a reader gets each chunk as a copy it drops, not a view that
+                # keeps a map of the whole segment file in the actor's memory.
+                txn.append(WEIGHTS, serde.encode.in_parts(env)[0])
             txn.append(WEIGHTS, serde.encode(envelope(seal)))
 
     def truncate_before(self, v: PublishedVersion) -> None:

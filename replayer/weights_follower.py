@@ -62,11 +62,15 @@ class WeightsFollower(ModelFollower):
         return self._digest
 
     def _poll_once(self, before: int, t0: float) -> FollowResult:
-        self._read_index()
-        latest = self._index[-1] if self._index else None
-        if latest is None or latest.version <= before:
-            return FollowResult(before, before, NOOP, 0, 0, time.perf_counter() - t0)
-        return self._advance(before, latest, t0)
+        try:
+            self._read_index()
+            latest = self._index[-1] if self._index else None
+            if latest is None or latest.version <= before:
+                return FollowResult(before, before, NOOP, 0, 0, time.perf_counter() - t0)
+            return self._advance(before, latest, t0)
+        finally:
+            # Between polls an actor holds no read buffers (Kafka consumers prefetch).
+            self._log.forget_reads(WEIGHTS)
 
     def _release(self) -> None:
         self._log.close()

@@ -200,3 +200,57 @@ def test_a_model_that_differs_or_a_dtype_not_published_is_refused(run: RunAddres
     assert str(err2.value) == (f"weights stream of run {run.run_id!r} is published in bfloat16, not "
                                "float16 (version 1): follow it with dtype=bfloat16")
     trainer.rec.close()
+
+
+_MEMORY_CHILD = r"""
+import json, sys
+import torch
+from eventlog import RunAddress
+from replayer.weights_follower import WeightsFollower
+
+
+def status_kib(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 2048)).to(torch.bfloat16)
+size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+baseline = status_kib("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here on
+    f.write("5")
+with WeightsFollower(RunAddress(sys.argv[1], sys.argv[1], "memory"), model) as follower:
+    result = follower.poll()
+print(json.dumps({"size": size, "peak": (status_kib("VmHWM") - baseline) * 1024,
+                  "mode": result.mode, "version": result.version_after}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
+def test_a_followers_peak_memory_above_a_bare_model_stays_under_1_25x_the_model(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path / 'rewind.db'}"
+    run = RunAddress(url, url, "memory")
+    from rewind.recorder import Recorder
+
+    torch.manual_seed(0)  # 25.2M parameters: 50 MB in bf16
+    model = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.Linear(4096, 2048))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    with Recorder(run, model, opt, rng=False) as rec:
+        for v in range(1, 5):
+            model(torch.randn(8, 4096)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            rec.commit(v - 1, wait=True).result()
+    with Publisher(run, WeightsConfig(keyframe_every=3)) as pub:
+        assert pub.publish().published == 4  # keyframes at 1 and 4: the sync reads 4
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, url], capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figures = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (figures["mode"], figures["version"]) == ("full", 4)
+    assert figures["peak"] <= 1.25 * figures["size"], f"peak {figures['peak'] / figures['size']:.2f}x"
