@@ -10,6 +10,7 @@ read as follows in this stream:
 * ``encoding``: ``"keyframe <dtype>"`` or ``"patch <dtype>"``;
 * ``base_version``: the published version a patch applies to (0 for a keyframe);
 * ``shard_counts``: ``(chunks,)``, the version's chunk messages;
+* ``control_count``: the chunk size in bytes the version's tensors are cut by;
 * ``state_digest``: the digest of the cast weights (``weightcodec.weights_digest``);
 * ``raw_bytes`` / ``encoded_bytes``: the cast weights' size and the chunks' payload size.
 
@@ -45,6 +46,8 @@ class PublishedVersion:
     digest: bytes
     raw_bytes: int
     encoded_bytes: int
+    #: The chunk size its tensors are cut by (``tensorcodec.chunk_ranges``).
+    chunk_bytes: int
     #: Its records lie at offsets ``> start`` and ``< seal_offset``.
     start: int
     seal_offset: int
@@ -87,12 +90,12 @@ class WeightsStream:
         assert isinstance(seal, CommitSealed)
         kind, _, dtype = seal.encoding.partition(" ")
         if kind not in (KEYFRAME, PATCH) or not dtype or len(seal.shard_counts) != 1 \
-                or seal.shard_counts[0] < 0 or env.shard != WEIGHTS:
+                or seal.shard_counts[0] < 0 or env.shard != WEIGHTS or seal.control_count < 16:
             raise CorruptMessageError(f"{self.where}, offset {offset}: damaged seal of version "
                                       f"{env.version} ({seal.encoding!r}, counts {list(seal.shard_counts)})")
         return PublishedVersion(env.version, env.step, kind, dtype, seal.base_version,
                                 seal.shard_counts[0], seal.state_digest, seal.raw_bytes,
-                                seal.encoded_bytes, start, offset, env.time_ms)
+                                seal.encoded_bytes, seal.control_count, start, offset, env.time_ms)
 
     def chunks(self, v: PublishedVersion) -> Iterator[TensorDelta]:
         """The chunks of version ``v``, decrypted, each checked to belong to it; raises
@@ -121,13 +124,13 @@ class WeightsStream:
 
     def publish(
         self, writer: LogWriter, version: int, step: int, kind: str, dtype: str, base_version: int,
-        chunks: Sequence[TensorDelta], digest: bytes, raw_bytes: int,
+        chunks: Sequence[TensorDelta], digest: bytes, raw_bytes: int, chunk_bytes: int,
     ) -> None:
         """Write one version, its chunks and its seal, in one transaction."""
         keys = crypto.keyring()
         now = int(time.time() * 1000)
-        seal = CommitSealed(base_version, (len(chunks),), 0, (), b"", digest, f"{kind} {dtype}",
-                            raw_bytes, sum(len(c.payload) for c in chunks))
+        seal = CommitSealed(base_version, (len(chunks),), chunk_bytes, (), b"", digest,
+                            f"{kind} {dtype}", raw_bytes, sum(len(c.payload) for c in chunks))
 
         def envelope(body: TensorDelta | CommitSealed) -> Envelope:
             return Envelope(self.log.run_id, version, version, step, WEIGHTS, writer.writer_id, now, body)

@@ -93,6 +93,7 @@ class Publisher:
         self._writer: LogWriter | None = None
         self._index: list[PublishedVersion] = []
         self._prev: dict[str, CastTensor] | None = None
+        self._chunk_bytes = self.config.chunk_bytes  # a resumed stream keeps its own
         self._lock = threading.Lock()
 
     @property
@@ -132,9 +133,9 @@ class Publisher:
     def rebuild(self) -> PublishReport:
         """Delete the stream and publish it again from the log."""
         with self._lock:
-            if self._start():
+            if self._start(resume=False):
                 self._stream.clear()
-            self._index, self._prev = [], None
+            self._index, self._prev, self._chunk_bytes = [], None, self.config.chunk_bytes
             self._fold.close()
             self._fold = _LogFold(self.address, self._fold.workers)
         return self.publish()
@@ -153,8 +154,9 @@ class Publisher:
         self.close()
 
     # ------------------------------------------------------------------ internals
-    def _start(self) -> bool:
-        """Open the stream and pick up where it ends; ``False`` while the run has no log."""
+    def _start(self, *, resume: bool = True) -> bool:
+        """Open the stream and pick up where it ends (``resume``); ``False`` while the run
+        has no log."""
         if self._writer is not None:
             return True
         try:
@@ -162,7 +164,7 @@ class Publisher:
         except RunNotFoundError:
             return False
         self._writer = self._log.writer(WRITER_ID)  # fences any older publisher
-        self._index = self._stream.index()
+        self._index = self._stream.index() if resume else []
         if self._index:
             self._resume(self._index[-1])
         return True
@@ -174,7 +176,8 @@ class Publisher:
             raise ConfigError(f"{where} is published in {last.dtype}, not {self.config.dtype}: "
                               f"publish in {last.dtype}, or rebuild the stream (rewind publish --rebuild)")
         prev = cast_weights(self._fold.seek(last.version), self.config.dtype)
-        got = cast_digest(prev, self.config.chunk_bytes)
+        self._chunk_bytes = last.chunk_bytes
+        got = cast_digest(prev, last.chunk_bytes)
         if got != last.digest:
             raise IntegrityError(f"{where}: version {last.version} as published differs from the "
                                  f"log's (digest {last.digest.hex()} vs {got.hex()}): the stream was "
@@ -201,14 +204,15 @@ class Publisher:
         keyframes = [p for p in self._index if p.keyframe]
         due = prev is None or not keyframes or version - keyframes[-1].version >= cfg.keyframe_every
         if due or prev is None or not same_layout(prev, new):
-            chunks, kind, base = encode_version(new, None, 0, cfg.chunk_bytes), KEYFRAME, 0
+            chunks, kind, base = encode_version(new, None, 0, self._chunk_bytes), KEYFRAME, 0
         else:
-            chunks, kind = encode_version(new, prev, base, cfg.chunk_bytes), PATCH
-        digest = cast_digest(new, cfg.chunk_bytes)
+            chunks, kind = encode_version(new, prev, base, self._chunk_bytes), PATCH
+        digest = cast_digest(new, self._chunk_bytes)
         assert self._writer is not None
         step = self._fold._idx.seals[version].step if self._fold._idx is not None else 0
         raw = sum(len(t.bits) for t in new.values())
-        self._stream.publish(self._writer, version, step, kind, cfg.dtype, base, chunks, digest, raw)
+        self._stream.publish(self._writer, version, step, kind, cfg.dtype, base, chunks, digest, raw,
+                             self._chunk_bytes)
         self._index += self._stream.index(gt=self._index[-1].seal_offset if self._index else None)
         published = self._index[-1]
         self._prev = new

@@ -127,11 +127,13 @@ class WeightsFollower(ModelFollower):
     def _check_chunk(self, delta: TensorDelta, v: PublishedVersion, specs: dict[str, Spec]) -> None:
         """Fail unless ``delta`` is a chunk of a tensor the model holds, as the stream names it."""
         spec = specs.get(delta.name)
-        if spec is None or spec != (delta.dtype, tuple(delta.shape)):
+        if spec is None or spec != (delta.dtype, tuple(delta.shape)) \
+                or delta.chunk_count != len(self._table[delta.name]):
             raise IntegrityError(
                 f"{self._stream.where}, version {v.version}: chunk of {delta.name!r} "
                 f"{delta.dtype}{list(delta.shape)}, which the stream's keyframe names "
-                f"{'nowhere' if spec is None else f'{spec[0]}{list(spec[1])}'}")
+                f"{'nowhere' if spec is None else f'{spec[0]}{list(spec[1])}'} "
+                f"(chunk {delta.chunk_index} of {delta.chunk_count})")
         tensorcodec.check_result(delta, self._bits[delta.name], f"{self._stream.where}, version {v.version}")
 
     def _apply_keyframe(self, v: PublishedVersion) -> None:

@@ -15,7 +15,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventlog import ConfigError, IntegrityError, RewindError, RunAddress, StateMismatchError
+from eventlog import (
+    AuthenticationError,
+    ConfigError,
+    IntegrityError,
+    RewindError,
+    RunAddress,
+    StateMismatchError,
+    serde,
+)
+from eventlog.events import TensorDelta
 from eventlog.ports import WEIGHTS
 from eventlog.weightcodec import WeightsConfig
 from eventlog.weightstream import PATCH, WeightsStream
@@ -129,7 +138,7 @@ def test_a_publisher_killed_inside_a_version_publishes_each_version_once_after_r
 def _stream_with(run: RunAddress, versions: int) -> Trainer:
     trainer = Trainer(run)
     trainer.commit(versions)
-    with Publisher(run, WeightsConfig(keyframe_every=100, chunk_bytes=256)) as pub:
+    with Publisher(run, WeightsConfig(keyframe_every=100)) as pub:
         pub.publish()
     return trainer
 
@@ -146,7 +155,7 @@ def _forge(run: RunAddress, *, base: int, damage: bool, keyframe: bool = False) 
         torch.manual_seed(5)
         new = cast_weights({k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
                             for k, v in net().float().state_dict().items()}, "bfloat16")
-        chunks = encode_version(new, None, 0, 256)
+        chunks = encode_version(new, None, 0, last.chunk_bytes)
         if damage:
             c = chunks[0]
             payload = bytes([c.payload[0] ^ 0xFF]) + c.payload[1:]
@@ -154,7 +163,8 @@ def _forge(run: RunAddress, *, base: int, damage: bool, keyframe: bool = False) 
         writer = log.writer("forger")
         try:
             stream.publish(writer, last.version + 1, 0, "keyframe" if keyframe else PATCH, "bfloat16",
-                           0 if keyframe else base, chunks, cast_digest(new, 256), 0)
+                           0 if keyframe else base, chunks, cast_digest(new, last.chunk_bytes), 0,
+                           last.chunk_bytes)
         finally:
             writer.close()
         return last.version + 1
@@ -199,6 +209,51 @@ def test_a_model_that_differs_or_a_dtype_not_published_is_refused(run: RunAddres
         follower.poll()
     assert str(err2.value) == (f"weights stream of run {run.run_id!r} is published in bfloat16, not "
                                "float16 (version 1): follow it with dtype=bfloat16")
+    trainer.rec.close()
+
+
+
+def test_an_encrypted_runs_stream_is_encrypted_and_read_only_with_the_key(
+        run: RunAddress, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REWIND_KEYS", "k1=" + "11" * 32)
+    trainer = _stream_with(run, 2)
+    with run.open_log() as log:
+        envelopes = [serde.decode(r.value) for r in log.read(WEIGHTS)]
+    chunks = [e for e in envelopes if isinstance(e.body, TensorDelta)]
+    assert chunks and all(e.key_id == "k1" for e in chunks)
+    with WeightsFollower(run, net()) as follower:
+        follower.poll()
+        assert _bits_equal(follower.model, trainer.states[2])
+    monkeypatch.delenv("REWIND_KEYS")
+    with WeightsFollower(run, net()) as follower, pytest.raises(AuthenticationError) as err:
+        follower.poll()
+    assert f"weights stream of run {run.run_id!r}, version 1, offset 0: encrypted with key 'k1', but no " \
+           "key is configured" in str(err.value)
+    assert follower.version == 0
+    trainer.rec.close()
+
+
+def test_rewind_publish_rebuild_gives_the_same_bits_and_rewind_followers_lists_a_dtype_follower(
+        run: RunAddress) -> None:
+    trainer = _stream_with(run, 3)
+
+    def published() -> list[tuple[int, str, bytes]]:
+        with run.open_log() as log:
+            return [(v.version, v.kind, v.digest) for v in WeightsStream(log).index()]
+
+    before = published()
+    done = _cli("publish", "--rebuild", "--keyframe-every", "100", "--json", *_where(run))
+    assert done.returncode == 0, done.stderr
+    assert {k: json.loads(done.stdout)[k] for k in ("published", "keyframes", "last_version")} == \
+        {"published": 3, "keyframes": 1, "last_version": 3}
+    assert published() == before
+    with WeightsFollower(run, net(), name="bf16-actor") as follower:
+        follower.poll()
+        trainer.commit(1)  # sealed in the log, not yet published
+        listed = _cli("followers", "--json", *_where(run))
+        assert listed.returncode == 0, listed.stderr
+        rows = {r["name"]: r for r in json.loads(listed.stdout)["followers"]}
+        assert (rows["bf16-actor"]["version"], rows["bf16-actor"]["lag"]) == (3, 1)
     trainer.rec.close()
 
 
