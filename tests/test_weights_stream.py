@@ -156,10 +156,10 @@ def _forge(run: RunAddress, *, base: int, damage: bool, keyframe: bool = False) 
         new = cast_weights({k: v + 0.1 * torch.randn_like(v) if v.is_floating_point() else v
                             for k, v in net().float().state_dict().items()}, "bfloat16")
         chunks = encode_version(new, None, 0, last.chunk_bytes)
-        if damage:
-            c = chunks[0]
-            payload = bytes([c.payload[0] ^ 0xFF]) + c.payload[1:]
-            chunks[0] = dataclasses.replace(c, payload=payload)
+        if damage:  # the last chunk: a follower that applied chunk by chunk would be half way
+            c = chunks[-1]
+            payload = c.payload[:-1] + bytes([c.payload[-1] ^ 0xFF])
+            chunks[-1] = dataclasses.replace(c, payload=payload)
         writer = log.writer("forger")
         try:
             stream.publish(writer, last.version + 1, 0, "keyframe" if keyframe else PATCH, "bfloat16",
