@@ -34,7 +34,7 @@ from eventlog.kafka.config import (
     logger,
     producer_config,
 )
-from eventlog.ports import CONTROL, LogTransaction, LogWriter, MessageBytes, joined
+from eventlog.ports import LogTransaction, LogWriter, MessageBytes, joined
 from eventlog.waits import warned_wait
 
 #: One attempt of ``commit_transaction``; a commit that takes longer is logged and retried.
@@ -87,6 +87,8 @@ class KafkaWriter(LogWriter):
         self._delivery_error: str | None = None
         # Highest offset delivered per (topic, partition) in the open transaction.
         self._written: dict[tuple[str, int], int] = {}
+        # The log partition of each (topic, Kafka partition) produced to.
+        self._partitions: dict[tuple[str, int], int] = {}
         # Records produced in the open transaction, those with a delivery report, and those
         # the broker placed in the log.
         self._produced = self._acked = self._reported = 0
@@ -186,6 +188,7 @@ class KafkaWriter(LogWriter):
         """Send one record of the open transaction to ``partition``."""
         self._check_alive()
         topic, kp = self._target.locate(partition, produce=True)
+        self._partitions[(topic, kp)] = partition
         deadline = time.monotonic() + QUEUE_FULL_S
         with contextlib.ExitStack() as full:
             self._produce(topic, kp, value, deadline, full)
@@ -299,7 +302,7 @@ class KafkaWriter(LogWriter):
         delay = 0.001
         while pending:
             for (topic, kp), last in list(pending.items()):
-                partition = CONTROL if topic == self._target.control_topic else kp
+                partition = self._partitions.get((topic, kp), kp)
                 try:
                     left = max(0.5, deadline - time.monotonic())
                     if self._target.end_offset(partition, within=left) > last:
