@@ -856,7 +856,7 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                label="embedded", recording=rec)
         meta["recording_s"] = time.perf_counter() - t0
         # Disk blocks, not file sizes: a segment file leaves a hole before each payload it
-        # puts on a 2 MiB boundary (eventlog/segments.py), which no block backs.
+        # puts on a 2 MiB boundary (eventlog/embedded/segments.py), which no block backs.
         files = [p for p in d.glob("rewind.db*") if p.is_file()] + list(d.glob("rewind.db.segments/*/*.seg"))
         meta["log_file_bytes"] = sum(p.stat().st_blocks * 512 for p in files)
         write_floor = None

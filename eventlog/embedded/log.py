@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eventlog import segments
+from eventlog.embedded import segments
 from eventlog.embedded.db import (
     SUM_ENDS,
     Database,
