@@ -35,6 +35,7 @@ from eventlog.errors import (
 
 if TYPE_CHECKING:
     from eventlog import AuthenticationError, Keyring, RunAddress, Stateful, Target
+    from eventlog.provenance import Stamp
     from replayer.export import export
     from replayer.follower import Follower, FollowResult
     from replayer.replay import ReplayReport, read_checkpoint, replay, write_checkpoint
@@ -54,6 +55,7 @@ else:
 
     __getattr__, __dir__ = lazy_exports(globals(), {
         "eventlog": ("AuthenticationError", "Keyring", "RunAddress", "Stateful", "Target"),
+        "eventlog.provenance": ("Stamp",),
         "replayer.export": ("export",),
         "replayer.follower": ("Follower", "FollowResult"),
         "replayer.replay": ("ReplayReport", "read_checkpoint", "replay", "write_checkpoint"),
@@ -70,7 +72,7 @@ __all__ = [
     "CorruptMessageError", "CorruptStoreError", "DecodeError", "DigestMismatchError",
     "EventLogError", "FencedError", "FollowResult", "Follower", "IntegrityError", "Keyring",
     "Recorder", "ReplayReport", "RestoreResult", "RewindError", "RunAddress",
-    "RunNotFoundError", "Snapshots", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
+    "RunNotFoundError", "Snapshots", "Stamp", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
     "TargetNotFoundError", "TruncatedHistoryError", "UnknownSchemaError", "WrongRunError",
     "every_seconds", "every_versions", "export", "keep_all", "keep_best", "keep_every",
     "keep_last", "read_checkpoint", "replay", "write_checkpoint",
