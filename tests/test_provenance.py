@@ -261,3 +261,50 @@ def test_a_commit_refuses_what_is_not_a_stamp(tmp_path: Path) -> None:
         assert learner.rec.version == 0
     finally:
         learner.rec.close()
+
+
+def _rank(rank: int, log: str, coord: str, run: str, port: int) -> None:
+    """One rank of a 2-rank learner: each rank records the stamps of its own data."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    address = RunAddress(log, coord, run)
+    torch.manual_seed(0)  # replicated (DDP-like) weights: every rank trains the same
+    model = policy()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    rec = Recorder(address, model, opt, shards=1, group=dist.group.WORLD)
+
+    def commit(stamps: list[Stamp]) -> int:
+        model(OBS).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        return rec.commit(rec.version, consumed=stamps, wait=True).result().version
+
+    def stamp(version: int) -> Stamp:
+        with address.open_log() as log_:
+            return Stamp(run, version, index_control(log_).seals[version].seal.state_digest.hex())
+
+    try:
+        assert commit([]) == 1
+        assert commit([stamp(1)] * (2 - rank)) == 2  # rank 0: 2 rollouts of version 1; rank 1: one
+        assert commit([] if rank == 0 else [stamp(1), stamp(2)]) == 3  # rank 0 consumed none
+        assert commit([]) == 4
+    finally:
+        rec.close()
+        dist.destroy_process_group()
+
+
+def test_each_rank_records_the_stamps_of_its_own_data(run: RunAddress) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(run.log_url, run.coord_url, run.run_id, port), nprocs=2, join=True)
+    rows = _history(run)
+    assert {v: r["policy_lag"] for v, r in rows.items()} == {
+        1: None, 2: {"min": 1, "median": 1, "max": 1, "count": 3},
+        3: {"min": 1, "median": 1.5, "max": 2, "count": 2}, 4: None}
+    assert _verify(run) == (0, [])
