@@ -70,6 +70,15 @@ class _LogFold(Follower):
     def _report(self) -> None:
         return None
 
+    def oldest_sealed(self) -> int | None:
+        """The oldest sealed version the control index holds (``None``: none)."""
+        return min(self._idx.seals, default=None) if self._idx is not None else None
+
+    def step_of(self, version: int) -> int:
+        """The trainer step of a sealed version (0 if unknown)."""
+        seal = None if self._idx is None else self._idx.seals.get(version)
+        return 0 if seal is None else seal.step
+
     def seek(self, version: int) -> dict[str, torch.Tensor]:
         """The model's tensors at ``version`` (a version after the current one)."""
         self.ceiling = version
@@ -109,15 +118,15 @@ class Publisher:
             t0 = time.perf_counter()
             if not self._start():
                 return PublishReport(0, 0, 0, 0, time.perf_counter() - t0)
-            self._fold.ceiling = self._fold._version
+            self._fold.ceiling = self._fold.version
             self._fold.poll()  # refresh the newest sealed version
             last = min(self._fold.newest, until if until is not None else self._fold.newest)
             done: list[PublishedVersion] = []
             if self._prev is None and last > 0:
                 first = self._first_version(last)
                 done.append(self._publish_one(first, self._fold.seek(first)))
-            while self._fold._version < last:
-                v = self._fold._version + 1
+            while self._fold.version < last:
+                v = self._fold.version + 1
                 done.append(self._publish_one(v, self._fold.seek(v)))
             return PublishReport(len(done), sum(p.keyframe for p in done), self.version,
                                  sum(p.encoded_bytes for p in done), time.perf_counter() - t0)
@@ -186,8 +195,7 @@ class Publisher:
 
     def _first_version(self, latest: int) -> int:
         """The oldest sealed version the log can rebuild (a truncated log: the newest)."""
-        idx = self._fold._idx
-        oldest = min(idx.seals) if idx is not None and idx.seals else latest
+        oldest = self._fold.oldest_sealed() or latest
         try:
             self._fold.seek(oldest)
         except TruncatedHistoryError:
@@ -209,7 +217,7 @@ class Publisher:
             chunks, kind = encode_version(new, prev, base, self._chunk_bytes), PATCH
         digest = cast_digest(new, self._chunk_bytes)
         assert self._writer is not None
-        step = self._fold._idx.seals[version].step if self._fold._idx is not None else 0
+        step = self._fold.step_of(version)
         raw = sum(len(t.bits) for t in new.values())
         self._stream.publish(self._writer, version, step, kind, cfg.dtype, base, chunks, digest, raw,
                              self._chunk_bytes)

@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +134,29 @@ def test_a_publisher_killed_inside_a_version_publishes_each_version_once_after_r
     published = {model_hash(_cast(trainer.states[v])) for v in range(1, 7)}
     assert seen["version"] == 6 and seen["hash"] == model_hash(_cast(trainer.states[6]))
     assert seen["seen"] and set(seen["seen"]) <= published  # never a mix of two versions
+    trainer.rec.close()
+
+
+def test_rewind_publish_follow_serves_versions_as_the_trainer_commits(run: RunAddress) -> None:
+    trainer = Trainer(run)
+    trainer.commit(1)  # the run exists
+    command = [sys.executable, "-m", "rewind.cli", "publish", "--follow", "--interval", "0.1", *_where(run)]
+    service = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        with WeightsFollower(run, net()) as follower:
+            for _ in range(3):
+                trainer.commit(1)
+                deadline = time.monotonic() + 60
+                while follower.poll().version_after < trainer.version and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert follower.version == trainer.version
+                assert _bits_equal(follower.model, trainer.states[trainer.version])
+    finally:
+        service.send_signal(signal.SIGINT)
+        _, err = service.communicate(timeout=60)
+    assert service.returncode == 130, err
+    with run.open_log() as log:
+        assert [v.version for v in WeightsStream(log).index()] == [1, 2, 3, 4]
     trainer.rec.close()
 
 
