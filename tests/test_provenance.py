@@ -185,7 +185,7 @@ def test_actor_processes_stamps_give_each_versions_exact_policy_lag_and_change_n
     assert not any("policy_lag" in r and r["policy_lag"] for r in _history(plain_run).values())
 
 
-@pytest.mark.parametrize("forgery", ["wrong digest", "unknown run", "future version"])
+@pytest.mark.parametrize("forgery", ["wrong digest", "unknown run", "future version", "never published"])
 def test_a_forged_stamp_fails_rewind_verify_naming_the_version_and_the_stamp(
         run: RunAddress, forgery: str) -> None:
     learner = Learner(run)
@@ -197,16 +197,19 @@ def test_a_forged_stamp_fails_rewind_verify_naming_the_version_and_the_stamp(
         learner.step([OBS[:, :3]], [real])
         forged = {"wrong digest": dataclasses.replace(real, digest="ab" * 32),
                   "unknown run": dataclasses.replace(real, run="no-such-run"),
-                  "future version": dataclasses.replace(real, version=4)}[forgery]
+                  "future version": dataclasses.replace(real, version=4),
+                  "never published": dataclasses.replace(real, kind="weights/bfloat16")}[forgery]
         learner.step([OBS[:, :3], OBS[:, 3:]], [real, forged])
     finally:
         learner.rec.close()
     code, failed = _verify(run)
     why = {"wrong digest": f"the seal of version 1 records state digest {real.digest}",
            "unknown run": "run 'no-such-run' has no sealed version",
-           "future version": "names version 4, not sealed before version 3 consumed it"}[forgery]
+           "future version": "names version 4, not sealed before version 3 consumed it",
+           "never published": f"the weights stream of run {run.run_id!r} has no sealed version 1 in bfloat16",
+           }[forgery]
     assert code == 1
-    stamp = f"({forged.run}, {forged.version}, state {forged.digest}) x1"
+    stamp = f"({forged.run}, {forged.version}, {forged.kind} {forged.digest}) x1"
     assert failed == [f"provenance of version 3: stamp {stamp}: {why}",
                       "provenance: 3 stamps consumed by 2 versions: 1 fail, 0 cannot be checked"]
 
@@ -235,6 +238,30 @@ def test_a_weights_followers_stamp_names_the_cast_weights_digest(run: RunAddress
     assert code == 1
     assert failed[0] == (f"provenance of version 4: stamp ({run.run_id}, 2, weights/bfloat16 {state_digest}) "
                          f"x1: the seal of version 2 records weights/bfloat16 digest {stamp.digest}")
+
+
+def test_a_stamp_of_a_version_retention_deleted_from_the_stream_is_a_warning(run: RunAddress) -> None:
+    learner = Learner(run)
+    try:
+        with Publisher(run, WeightsConfig(keyframe_every=2, keep_keyframes=1)) as pub, \
+                WeightsFollower(run, policy().to(torch.bfloat16), name="bf16-actor") as follower:
+            learner.step([])
+            learner.step([])
+            pub.publish()
+            follower.poll()
+            old = follower.stamp()
+            for _ in range(3):
+                learner.step([])
+            pub.publish()  # version 5 is a keyframe: the stream keeps it alone
+            learner.step([OBS[:, :3]], [old])
+    finally:
+        learner.rec.close()
+    done = _rewind("verify", "--json", *_where(run))
+    assert done.returncode == 0, done.stdout
+    found = json.loads(done.stdout)["findings"]
+    warned = [f"{f['subject']}: {f['detail']}" for f in found if f["status"] == "warn"]
+    assert warned == [f"provenance of version 6: stamp ({run.run_id}, 2, weights/bfloat16 {old.digest}) x1: "
+                      f"cannot be checked: the weights stream of run {run.run_id!r} holds versions from 5 on"]
 
 
 def test_bad_stamps_are_refused_with_one_line() -> None:
@@ -302,7 +329,9 @@ def test_each_rank_records_the_stamps_of_its_own_data(run: RunAddress) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(run.log_url, run.coord_url, run.run_id, port), nprocs=2, join=True)
+    # Each rank's failure is raised here, naming its rank (torch's spawn is untyped).
+    mp.spawn(_rank, args=(run.log_url, run.coord_url, run.run_id, port), nprocs=2,  # type: ignore[attr-defined, no-untyped-call]
+             join=True)
     rows = _history(run)
     assert {v: r["policy_lag"] for v, r in rows.items()} == {
         1: None, 2: {"min": 1, "median": 1, "max": 1, "count": 3},
