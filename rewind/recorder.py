@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -41,6 +41,7 @@ from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.layout import assign_shards
 from eventlog.optimstep import StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog
+from eventlog.provenance import PROVENANCE, Stamp
 from eventlog.settings import Settings, current
 from eventlog.waits import warned_wait
 from replayer.assemble import full_state
@@ -174,14 +175,23 @@ class Recorder:
         *,
         wait: bool = False,
         base_version: int | None = None,
+        consumed: Iterable[Stamp] = (),
     ) -> Future[CommitResult]:
         """Record the current state as the next version; returns a future of its result.
 
         Blocks only to copy the state out, or while ``max_inflight`` commits are queued.
         ``wait=True`` returns once the version is durable. ``base_version`` makes the commit
         optimistic: it fails with ``StaleVersionError`` unless the run is at that version.
+        ``consumed``: the stamps (``Follower.stamp()``) of the rollouts this version's steps
+        trained on, recorded as its provenance (``eventlog.provenance``); on a multi-rank run,
+        each rank gives the stamps of its own data.
         """
         self._check_usable()
+        stamps = tuple(consumed)
+        bad = next((s for s in stamps if not isinstance(s, Stamp)), None)
+        if bad is not None:
+            raise ConfigError(f"commit(consumed=...) takes Stamp objects (Follower.stamp()), got "
+                              f"{type(bad).__name__} {bad!r:.60}")
         if self._refuse:
             raise ConfigError(self._refuse)
         if self._snapshots is not None and self._snapshotter is None:
@@ -221,7 +231,7 @@ class Recorder:
                                staged, layout, small, Future(),
                                steps=self._steps.take() if self._steps else [], replicated=replicated,
                                environment=(fingerprint.environment(EnvironmentFingerprint.START)
-                                            if self.version == 0 else None))
+                                            if self.version == 0 else None), consumed=stamps)
             self._jobs.put(job)
         except BaseException:
             self._staging_slots.release()  # no job will give it back
@@ -374,6 +384,7 @@ class Recorder:
         base = prev.version if job.base_version is None else job.base_version
         if base != prev.version:
             raise StaleVersionError(base, prev.version)
+        job.record_consumed(version, PROVENANCE, prev.small)
         specs = prev.specs
         relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != job.layout
         if relayout:
@@ -482,7 +493,7 @@ def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapp
         objects["rng"] = GlobalRng()
     for kind, given in (("extra", extra), ("buffer", buffers)):
         for name, obj in (given or {}).items():
-            if name in objects or name in (*_ROLES, "rng"):
+            if name in objects or name in (*_ROLES, "rng", PROVENANCE):
                 raise ConfigError(f"{kind} state name {name!r} is reserved or used twice")
             if not isinstance(obj, Stateful):
                 raise ConfigError(f"{kind} state {name!r} has no state_dict/load_state_dict")
