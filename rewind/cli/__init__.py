@@ -47,6 +47,8 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Sequence
+from importlib import metadata
+from typing import Annotated
 
 import typer
 
@@ -57,7 +59,7 @@ from rewind.cli.commands_bisect import bisect_cmd
 from rewind.cli.commands_demo import demo
 from rewind.cli.commands_recovery import export, recover, replay_cmd
 from rewind.cli.commands_snapshots import snapshot, snapshotter_cmd, verify
-from rewind.cli.common import CHECK_FAILED, ERROR, OK, address_of, help_text
+from rewind.cli.common import CHECK_FAILED, ERROR, OK, Command, Group, address_of, help_text
 from rewind.cli.output import say, table_lines
 
 __all__ = [
@@ -66,7 +68,8 @@ __all__ = [
     "snapshotter_cmd", "table_lines", "verify",
 ]
 
-app = typer.Typer(add_completion=False, help=help_text(__doc__ or ""), pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, help=help_text(__doc__ or ""), pretty_exceptions_enable=False,
+                  cls=Group)
 _COMMANDS: list[tuple[str, Callable[..., int]]] = [  # in the order of --help
     ("replay", replay_cmd), ("recover", recover), ("export", export), ("history", history), ("diff", diff),
     ("bisect", bisect_cmd),
@@ -74,10 +77,32 @@ _COMMANDS: list[tuple[str, Callable[..., int]]] = [  # in the order of --help
     ("verify", verify), ("demo", demo),
 ]
 for _name, _command in _COMMANDS:
-    app.command(_name)(_command)
+    app.command(_name, cls=Command)(_command)
 for _info in app.registered_commands:  # each command's help reflowed, as the app's is
     if _info.callback is not None and _info.help is None:
         _info.help = help_text(_info.callback.__doc__ or "")
+
+
+def version_text() -> str:
+    """``rewind VERSION``, the version of the installed distribution."""
+    try:
+        return f"rewind {metadata.version('rewind')}"
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "rewind (not installed: no version)"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(version_text())
+        raise typer.Exit(OK)
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version, help="print the version and exit")] = False,
+) -> None:
+    """The options before the command's name."""
 
 
 def one_line(text: str) -> str:

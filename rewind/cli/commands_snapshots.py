@@ -4,8 +4,9 @@ and ``verify`` (check every kept snapshot and every reachable version)."""
 from __future__ import annotations
 
 import dataclasses
-import textwrap
+import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -23,7 +24,7 @@ from rewind.cli.common import (
     Workers,
     address_of,
 )
-from rewind.cli.output import emit_json, print_lines, say, terminal_width
+from rewind.cli.output import emit_json, print_lines, say, terminal_width, wrap_words
 
 if TYPE_CHECKING:
     from snapshotter.policies import Retention, Trigger
@@ -144,11 +145,28 @@ def verify(
         emit_json("verify", report.ok, **{**dataclasses.asdict(report), "run": address.run_id,
                                            "findings": [dataclasses.asdict(f) for f in report.findings]})
         return status
-    width = terminal_width()
-    lines = [f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}"]
-    for f in report.findings:
-        text = textwrap.wrap(f"{f.subject}: {f.detail}", width - 6, break_long_words=False,
-                             break_on_hyphens=False)
+    # Paths inside the run directory (or the snapshot store) given are shown relative to it.
+    base = run_dir if run_dir is not None else store_root(snapshots)
+    details = [f.detail if base is None else relative_paths(f.detail, base) for f in report.findings]
+    moved = base is not None and details != [f.detail for f in report.findings]
+    lines = [f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}"
+             + (f" (paths below are in {base})" if moved else "")]
+    for f, detail in zip(report.findings, details, strict=True):
+        text = wrap_words(f"{f.subject}: {detail}", terminal_width() - 6)
         lines += [f"{f.status if k == 0 else '':<4}  {part}" for k, part in enumerate(text)]
     print_lines(lines)
     return status
+
+
+def store_root(snapshots: str | None) -> Path | None:
+    """The directory of a ``file://`` snapshot store URL (``None``: none given)."""
+    if snapshots is None:
+        return None
+    from snapshotter.store import SnapshotStore
+
+    return SnapshotStore(snapshots).root
+
+
+def relative_paths(text: str, base: Path) -> str:
+    """``text`` with the paths under ``base`` written relative to it."""
+    return text.replace(f"{base.resolve()}{os.sep}", "")
