@@ -18,7 +18,8 @@ An unreachable Kafka broker or Redis server fails within 5 seconds of the first 
 ``--json``, on every command: stdout holds one JSON object, ``{"command": NAME, "ok": BOOL,
 ...}``, where ``ok`` is false exactly when the exit status is 1; errors stay one line on
 stderr. The other keys, per command: demo: ``bit_exact killed_at recovered_version
-recovered_step final_digest_recovered final_digest_reference``. replay: ``report`` (the
+recovered_step final_digest_recovered final_digest_reference run_args`` (the options
+that name the recorded run to the other commands). replay: ``report`` (the
 replay report). recover: ``report files``. export: ``report format files``. history:
 ``run rows`` (each: ``kind version step gsn time_ms writer detail metrics encoding
 of_raw environment``; kind: version, recovery, resume, snapshot-begin, snapshot-end).
