@@ -148,9 +148,9 @@ def verify(
     # Paths inside the run directory (or the snapshot store) given are shown relative to it.
     base = run_dir if run_dir is not None else store_root(snapshots)
     details = [f.detail if base is None else relative_paths(f.detail, base) for f in report.findings]
-    moved = base is not None and details != [f.detail for f in report.findings]
+    shortened = base is not None and details != [f.detail for f in report.findings]
     lines = [f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}"
-             + (f" (paths below are in {base})" if moved else "")]
+             + (f" (paths below are in {base})" if shortened else "")]
     for f, detail in zip(report.findings, details, strict=True):
         text = wrap_words(f"{f.subject}: {detail}", terminal_width() - 6)
         lines += [f"{f.status if k == 0 else '':<4}  {part}" for k, part in enumerate(text)]
