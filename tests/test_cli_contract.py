@@ -123,6 +123,7 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "table/history": ["history", *rd],
         "table/verify": ["verify", *rd],
         "table/verify-damaged": ["verify", "--run-dir", str(copies["damaged"])],
+        "table/verify-by-log": ["verify", "--log", f"sqlite://{run / 'rewind.db'}", "--run", RUN],
         "ok/export-overwrite": ["export", *rd, "--format", "safetensors", "--out", str(tmp / "stale"),
                                 "--overwrite", "--json"],
         "version": ["--version"],
@@ -381,18 +382,22 @@ def test_version_and_every_help_shows_flags_as_flags(cli: tuple[Path, dict[str, 
     assert re.search(r"--version +print the version and exit", results["help/"].stdout)
 
 
-def test_verify_fits_80_columns_piped_naming_paths_inside_the_run_dir_once(
+def test_verify_fits_80_columns_piped_naming_the_directory_of_its_paths_once(
         cli: tuple[Path, dict[str, Result]]) -> None:
+    """The run directory given (else the one the paths share) is named once; the snapshot
+    folders and files inside it are shown relative to it."""
     tmp, results = cli
-    for case, status, run in (("table/verify", 0, tmp / "run"), ("table/verify-damaged", 1, tmp / "damaged")):
+    for case, status, base, shown in (
+            ("table/verify", 0, tmp / "run", f"snapshots/{RUN}/v0000000002-"),
+            ("table/verify-damaged", 1, tmp / "damaged", f"snapshots/{RUN}/v0000000002-"),
+            ("table/verify-by-log", 0, tmp / "run" / "snapshots" / RUN, "v0000000002-")):
         result = results[case]
         assert result.returncode == status and result.stderr == "", result.stderr
         lines = result.stdout.splitlines()
         assert max(len(line) for line in lines) <= 80, "\n".join(lines)
-        text = " ".join(result.stdout.split())
-        assert f"(paths below are in {run})" in text, result.stdout
-        findings = text.partition(f"(paths below are in {run})")[2]
-        assert str(tmp) not in findings and " snapshots/contract/v" in findings.replace("(", " "), text
+        head, said, findings = " ".join(result.stdout.split()).partition(f"(paths below are in {base})")
+        assert said and str(tmp) not in findings, result.stdout
+        assert f" {shown}" in findings.replace("(", " "), result.stdout
 
 
 def test_sb3_metrics_stay_in_the_history_metrics_column_piped(tmp_path: Path) -> None:

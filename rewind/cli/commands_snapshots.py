@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
@@ -145,8 +146,9 @@ def verify(
         emit_json("verify", report.ok, **{**dataclasses.asdict(report), "run": address.run_id,
                                            "findings": [dataclasses.asdict(f) for f in report.findings]})
         return status
-    # Paths inside the run directory (or the snapshot store) given are shown relative to it.
-    base = run_dir if run_dir is not None else store_root(snapshots)
+    # Paths inside the run directory (else the directory the paths share) are shown relative
+    # to it, and it is named once.
+    base = run_dir if run_dir is not None else shared_dir([f.detail for f in report.findings])
     details = [f.detail if base is None else relative_paths(f.detail, base) for f in report.findings]
     shortened = base is not None and details != [f.detail for f in report.findings]
     lines = [f"verify {address.run_id}: {'ok' if report.ok else 'PROBLEMS FOUND'}"
@@ -158,13 +160,14 @@ def verify(
     return status
 
 
-def store_root(snapshots: str | None) -> Path | None:
-    """The directory of a ``file://`` snapshot store URL (``None``: none given)."""
-    if snapshots is None:
+def shared_dir(texts: list[str]) -> Path | None:
+    """The deepest directory that holds every absolute path ``texts`` name (``None``: they
+    name none, or share no more than a top-level directory)."""
+    paths = [m for t in texts for m in re.findall(r"(?<![\w.:/])/[^\s()'\",;]+", t)]
+    if not paths:
         return None
-    from snapshotter.store import SnapshotStore
-
-    return SnapshotStore(snapshots).root
+    base = Path(os.path.commonpath([os.path.dirname(p) for p in paths]))
+    return base if len(base.parts) > 2 else None
 
 
 def relative_paths(text: str, base: Path) -> str:
