@@ -1,7 +1,8 @@
 """Measure candidate compressors on real Adam updates: ratio and single-core throughput.
 
-Run: ``python -m benchmarks.codec_choice``. The README records its output; the tensor
-codec's default compressor comes from it.
+Run: ``python -m benchmarks.codec_choice`` (after ``pip install -e ".[bench]"``: zstandard
+and lz4 are not dependencies of the package). ``docs/performance.md`` records its output;
+the tensor codec's default compressor comes from it.
 """
 
 from __future__ import annotations
@@ -11,10 +12,15 @@ import time
 from collections.abc import Callable
 
 import blosc2
-import lz4.frame
 import numpy as np
 import torch
-import zstandard
+
+try:
+    import lz4.frame
+    import zstandard
+except ImportError as exc:
+    raise ImportError(f"benchmarks.codec_choice needs {exc.name}, which the package does not "
+                      "install: pip install -e \".[bench]\"") from exc
 
 
 def _adam_versions(params: int = 4_000_000, steps: int = 12) -> list[dict[str, np.ndarray]]:

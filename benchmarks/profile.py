@@ -48,6 +48,7 @@ import eventlog.serde as serde_mod
 import eventlog.tensorcodec as tc
 import snapshotter.store as store_mod
 from eventlog import RunAddress, Target
+from eventlog.commit.pipeline import CommitPipeline
 from eventlog.events import Envelope, TensorDelta
 from eventlog.ports import message_size
 from rewind.recorder import Recorder
@@ -151,7 +152,7 @@ def show(console: Console, title: str, wall: float, raw_bytes: int, order: list[
 # ---------------------------------------------------------------------------- commit
 COMMIT_ORDER = [
     "commit() [training thread]", "  capture (state_dict + msgpack)",
-    "_write [committer]", "  _encode (wall, parallel)", "    encode_chunk [codec threads]",
+    "_write [committer]", "  encode (wall, parallel)", "    encode_chunk [codec threads]",
     "      array_equal", "      xor", "      compress (blosc2)", "      xxh3 digest",
     "  CAS version (sqlite txn)", "  allocate gsns (sqlite txn)",
     "  avro serialize", "  avro serialize (chunk heads)", "  sqlite INSERT (append)",
@@ -163,7 +164,7 @@ def install_commit_timers() -> None:
     wrap(Recorder, "commit", "commit() [training thread]")
     wrap(Recorder, "_capture", "  capture (state_dict + msgpack)")
     wrap(Recorder, "_write", "_write [committer]")
-    wrap(Recorder, "_encode", "  _encode (wall, parallel)")
+    wrap(CommitPipeline, "encode", "  encode (wall, parallel)")
     wrap(tc, "encode_chunk", "    encode_chunk [codec threads]", lambda new, *a, **k: new.nbytes)
     wrap(tc, "_compress", "      compress (blosc2)", lambda d, *a, **k: d.nbytes)
     wrap(tc, "digest", "      xxh3 digest", lambda b, *a, **k: _nbytes(b))

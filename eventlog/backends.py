@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eventlog.errors import ConfigError
 from eventlog.ports import Coordinator, EventLog
+from eventlog.settings import deployment
 
 DB_NAME = "rewind.db"
 
@@ -53,10 +54,9 @@ class RunAddress:
     def from_env(cls, run_id: str) -> RunAddress:
         """Backends from ``REWIND_LOG`` / ``REWIND_COORD``, else ``./rewind.db``; the snapshot
         store from ``REWIND_SNAPSHOTS`` (``file://DIR``), if set."""
-        default = f"sqlite://{Path(DB_NAME).resolve()}"
-        log = os.environ.get("REWIND_LOG", default)
-        return cls(log, os.environ.get("REWIND_COORD", log), run_id,
-                   os.environ.get("REWIND_SNAPSHOTS") or None)
+        env = deployment()
+        log = f"sqlite://{Path(DB_NAME).resolve()}" if env.log is None else env.log
+        return cls(log, log if env.coord is None else env.coord, run_id, env.snapshots or None)
 
     def open_log(self) -> EventLog:
         """Open this run's log."""

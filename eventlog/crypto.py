@@ -26,6 +26,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from eventlog.errors import ConfigError, CorruptMessageError
 from eventlog.events import SMALL_STATE_TYPES, Envelope, OptimizerStep, TensorDelta
+from eventlog.settings import Deployment, deployment
 
 NONCE = 12
 TAG = 16
@@ -56,11 +57,18 @@ class Keyring:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Keyring | None:
-        """The keyring the environment configures, or ``None`` (encryption off)."""
-        env = os.environ if env is None else env
+        """The keyring the environment (``os.environ``, or ``env``) configures, or ``None``
+        (encryption off)."""
+        found = Deployment.from_env(env)
+        return cls.configured(found.key_file, found.keys, found.active_key)
+
+    @classmethod
+    def configured(cls, key_file: str, keys: str, active_key: str) -> Keyring | None:
+        """The keyring of ``REWIND_KEY_FILE``, ``REWIND_KEYS`` and ``REWIND_ACTIVE_KEY``'s
+        values (empty: unset), or ``None`` (encryption off)."""
         pairs: list[tuple[str, str]] = []
-        if env.get("REWIND_KEY_FILE"):
-            path = Path(env["REWIND_KEY_FILE"])
+        if key_file:
+            path = Path(key_file)
             try:
                 lines = path.read_text().splitlines()
             except OSError as exc:
@@ -73,19 +81,19 @@ class Keyring:
                 if not sep:
                     raise ConfigError(f"{path}:{n}: want 'key-id = key'")
                 pairs.append((kid.strip(), key))
-        if env.get("REWIND_KEYS"):
-            for item in env["REWIND_KEYS"].split(","):
+        if keys:
+            for item in keys.split(","):
                 kid, sep, key = item.partition("=")
                 if not sep:
                     raise ConfigError("REWIND_KEYS must look like id=key,id=key")
                 pairs.append((kid.strip(), key))
         if not pairs:
             return None
-        keys = {kid: _parse_key(kid, key) for kid, key in pairs}
-        active = env.get("REWIND_ACTIVE_KEY") or pairs[-1][0]
-        if active not in keys:
+        parsed = {kid: _parse_key(kid, key) for kid, key in pairs}
+        active = active_key or pairs[-1][0]
+        if active not in parsed:
             raise ConfigError(f"REWIND_ACTIVE_KEY {active!r} is not among the configured keys")
-        return cls(keys, active)
+        return cls(parsed, active)
 
     def encrypt(self, plain: bytes, aad: bytes) -> bytes:
         """Encrypt with the active key; returns nonce || ciphertext || tag."""
@@ -115,22 +123,20 @@ _override: list[Keyring | None] = []
 
 
 @functools.lru_cache(maxsize=8)
-def _from_env(key_file: str, mtime: float, keys: str, active: str) -> Keyring | None:
-    env = {"REWIND_KEY_FILE": key_file, "REWIND_KEYS": keys, "REWIND_ACTIVE_KEY": active}
-    return Keyring.from_env({k: v for k, v in env.items() if v})
+def _configured(key_file: str, mtime: float, keys: str, active_key: str) -> Keyring | None:
+    return Keyring.configured(key_file, keys, active_key)
 
 
 def keyring() -> Keyring | None:
     """The keyring in force: an override (``using``), else the environment's (cached)."""
     if _override:
         return _override[-1]
-    key_file = os.environ.get("REWIND_KEY_FILE", "")
+    env = deployment()
     try:
-        mtime = os.stat(key_file).st_mtime if key_file else 0.0
+        mtime = os.stat(env.key_file).st_mtime if env.key_file else 0.0
     except OSError:
-        mtime = -1.0  # reported by Keyring.from_env
-    return _from_env(key_file, mtime, os.environ.get("REWIND_KEYS", ""),
-                     os.environ.get("REWIND_ACTIVE_KEY", ""))
+        mtime = -1.0  # reported by Keyring.configured
+    return _configured(env.key_file, mtime, env.keys, env.active_key)
 
 
 @contextmanager

@@ -23,8 +23,8 @@ import torch
 
 from eventlog import optimstep, tensorcodec
 from eventlog.events import OptimizerStep, TensorDelta, TensorSpec
-from eventlog.fold.deferred import TILE_ALIGN, units_of
 from eventlog.optimstep import CapturedStep, tensor_view
+from eventlog.tiles import TILE_ALIGN, units_of
 
 STATE_PREFIX = "optimizer/state"
 #: Elements per param that ``predict`` runs each step on first (copies), to find a step

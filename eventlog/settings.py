@@ -1,11 +1,17 @@
-"""Rewind's tuning settings: one frozen object, read from the environment once.
+"""Rewind's settings, and the one module that reads the process environment.
 
-Every field has a documented default and an environment override ``REWIND_<FIELD>`` (upper
+``Settings`` holds the tuning: one frozen object, read from the environment once. Every
+field has a documented default and an environment override ``REWIND_<FIELD>`` (upper
 case), read the first time ``current()`` is called, never at import. The entry points take
 them explicitly (``Recorder(..., settings=...)``, ``replay(..., settings=...)``); internals
 read ``current()``. Tests change them with ``override(...)``, a context manager, never by
 patching modules. The two process-wide fields (``malloc_mmap_threshold``,
 ``replay_torch_threads``) take effect only in the ``rewind`` CLI's own process.
+
+``Deployment`` holds where runs live and which keys protect them (``REWIND_LOG``,
+``REWIND_KEYS``, ...), read at each use (``deployment()``). ``host_variable`` reads another
+program's variable that Rewind records or defers to. No other module reads the environment
+(``tests/test_layers.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import os
 import threading
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from eventlog.errors import ConfigError
@@ -150,6 +156,53 @@ def _parse_bool(raw: str) -> bool:
     if raw.lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(raw)
+
+
+_KAFKA_CONF = "REWIND_KAFKA_CONF_"
+
+
+@dataclass(frozen=True)
+class Deployment:
+    """Where runs live and which keys protect them. Read from the environment at each use
+    (``deployment()``), not once like ``Settings``: a process may address another run, or
+    rotate its keys, while it lives."""
+
+    #: ``REWIND_LOG``: the log URL (``None``: unset; the embedded ``./rewind.db``).
+    log: str | None = None
+    #: ``REWIND_COORD``: the coordinator URL (``None``: unset; the log's URL).
+    coord: str | None = None
+    #: ``REWIND_SNAPSHOTS``: the snapshot store, ``file://DIR`` (empty: none).
+    snapshots: str = ""
+    #: ``REWIND_KEY_FILE``: a file of ``key-id = key`` lines (empty: none).
+    key_file: str = ""
+    #: ``REWIND_KEYS``: ``id=key,id=key`` (empty: none).
+    keys: str = ""
+    #: ``REWIND_ACTIVE_KEY``: the key id new data is encrypted with (empty: the last listed).
+    active_key: str = ""
+    #: ``REWIND_KAFKA_CONF_<KEY>``: librdkafka settings a ``kafka://`` URL does not set, by
+    #: key (``REWIND_KAFKA_CONF_SASL_MECHANISM`` is ``sasl.mechanism``).
+    kafka_conf: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Deployment:
+        """The variables set in ``env`` (``os.environ``)."""
+        env = os.environ if env is None else env
+        conf = {name[len(_KAFKA_CONF):].lower().replace("_", "."): value
+                for name, value in env.items() if name.startswith(_KAFKA_CONF) and name != _KAFKA_CONF}
+        return cls(env.get("REWIND_LOG"), env.get("REWIND_COORD"), env.get("REWIND_SNAPSHOTS", ""),
+                   env.get("REWIND_KEY_FILE", ""), env.get("REWIND_KEYS", ""),
+                   env.get("REWIND_ACTIVE_KEY", ""), conf)
+
+
+def deployment() -> Deployment:
+    """Where runs live and which keys protect them, as the environment says now."""
+    return Deployment.from_env()
+
+
+def host_variable(name: str) -> str | None:
+    """Another program's environment variable (cuBLAS's, glibc's), which Rewind records or
+    defers to and never sets; ``None`` when unset."""
+    return os.environ.get(name)
 
 
 _lock = threading.Lock()

@@ -29,7 +29,8 @@ from eventlog import statecodec, tensorcodec
 from eventlog.capture import holds_refs
 from eventlog.errors import DecodeError, StateMismatchError
 from eventlog.events import TensorSpec
-from eventlog.fold.apply import ShardState, TensorBits
+from eventlog.fold.apply import ShardState
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import RebuiltState
 from eventlog.statecodec import TensorRef
 

@@ -16,11 +16,10 @@ restores in-process keeps its allocator as it was.
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
 from typing import Any
 
-from eventlog.settings import Settings, current
+from eventlog.settings import Settings, current, host_variable
 
 #: ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (glibc's malloc.h).
 _M_MMAP_THRESHOLD = -3
@@ -43,9 +42,9 @@ def tune_for_replay(settings: Settings | None = None) -> bool:
 
 def _user_tuned() -> bool:
     """Whether the environment already sets glibc's malloc thresholds (then theirs stand)."""
-    env = os.environ
-    return any(f"MALLOC_{name}_" in env for name in ("MMAP_THRESHOLD", "TRIM_THRESHOLD")) \
-        or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+    thresholds = (host_variable(f"MALLOC_{name}_") for name in ("MMAP_THRESHOLD", "TRIM_THRESHOLD"))
+    return any(value is not None for value in thresholds) \
+        or "glibc.malloc." in (host_variable("GLIBC_TUNABLES") or "")
 
 
 _TRIM: list[Any] = []  # glibc's malloc_trim (or None), looked up once

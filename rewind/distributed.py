@@ -42,7 +42,7 @@ from eventlog.capture import TENSOR_ROLES, Stateful, unflatten
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import DecodeError, RewindError, StateMismatchError
 from eventlog.events import Envelope, TensorSpec
-from eventlog.fold.apply import TensorBits
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import RebuiltState, events
 from eventlog.layout import assign_shards
 from eventlog.optimstep import CapturedStep

@@ -8,17 +8,15 @@ version it loaded and the state digest it checked against that version's seal.
 
 from __future__ import annotations
 
-import os
 import platform
 import socket
-import time
 
 import torch
 
-from eventlog import crypto, serde
-from eventlog.events import CONTROL_SHARD, Body, Envelope, EnvironmentFingerprint, Resumed
+from eventlog.commit.pipeline import CommitPipeline
+from eventlog.events import EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import RebuiltState
-from eventlog.ports import CONTROL, Coordinator, LogWriter
+from eventlog.settings import host_variable
 from replayer.replay import ReplayReport
 
 
@@ -43,7 +41,7 @@ def environment(reason: str) -> EnvironmentFingerprint:
         cuda_version=torch.version.cuda,
         cudnn_version=None if cudnn_version is None else str(cudnn_version),
         deterministic_algorithms=torch.are_deterministic_algorithms_enabled(),
-        cublas_workspace_config=os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        cublas_workspace_config=host_variable("CUBLAS_WORKSPACE_CONFIG"),
         cudnn_benchmark=bool(cudnn.benchmark),
         cudnn_deterministic=bool(cudnn.deterministic),
         matmul_precision=torch.get_float32_matmul_precision(),
@@ -54,28 +52,10 @@ def environment(reason: str) -> EnvironmentFingerprint:
     )
 
 
-def log_resume(writer: LogWriter, coord: Coordinator, run_id: str, writer_name: str,
-               state: RebuiltState, report: ReplayReport) -> int:
-    """Log this process's environment and the proof of the resume ``state`` is (the version
-    loaded, the state digest the replay checked against its seal, where it started);
-    returns the last gsn used."""
+def log_resume(pipe: CommitPipeline, state: RebuiltState, report: ReplayReport) -> int:
+    """Log, as ``pipe``'s writer, this process's environment and the proof of the resume
+    ``state`` is (the version loaded, the state digest the replay checked against its seal,
+    where it started); returns the last gsn used."""
     proof = Resumed(state.version, state.step, state.state_digest(), report.snapshot_id,
                     report.snapshot_version, report.tail_versions, state.counts.applied)
-    return log_control(writer, coord, run_id, writer_name, state.version, state.step,
-                       [environment(EnvironmentFingerprint.RESUME), proof])
-
-
-def log_control(writer: LogWriter, coord: Coordinator, run_id: str, writer_name: str,
-                version: int, step: int, bodies: list[Body]) -> int:
-    """Write ``bodies`` to the control partition in one transaction, as events of
-    ``version``; returns the last gsn used."""
-    first = coord.allocate_gsns(run_id, len(bodies))
-    now = int(time.time() * 1000)
-    keys = crypto.keyring()
-    with writer.transaction() as txn:
-        for i, body in enumerate(bodies):
-            env = Envelope(run_id, first + i, version, step, CONTROL_SHARD, writer_name, now, body)
-            if keys is not None:
-                env = crypto.encrypt_event(env, keys)
-            txn.append(CONTROL, serde.encode(env))
-    return first + len(bodies) - 1
+    return pipe.append_control(state.version, state.step, [environment(EnvironmentFingerprint.RESUME), proof])

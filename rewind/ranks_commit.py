@@ -2,9 +2,10 @@
 rank's part of each version, sealing it (rank 0), and restoring the rank's own part.
 
 ``RankCommit`` keeps what only a multi-rank recorder has (its rank group, the shards this rank
-owns, the run's global layout, the version numbers an unsealed part took) and works on its
-recorder's commit state: the XOR base, the specs, the small states, the version and the gsn
-floor, which ``rewind.recorder`` hands over the way its single-process commit does.
+owns, the run's global layout, the version numbers an unsealed part took) and commits through
+the recorder's commit pipeline (``eventlog.commit.pipeline``), as a single process does: the
+pipeline holds the base (the XOR base, the specs, the small states, the version and the gsn
+floor), the gsns, the version CAS and the transactions.
 
 A rank's part uses the predictive codec on the rank's own tensors under the single-process
 rules (Adam, AdamW and SGD are element-wise, so a local shard steps alone): the gradients'
@@ -27,123 +28,76 @@ import contextlib
 import dataclasses
 import re
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import numpy as np
-import torch
 
 from eventlog import predictive, tensorcodec
-from eventlog.digests import small_digest, state_digest, tensor_digest
+from eventlog.backends import RunAddress
+from eventlog.capture import Stateful
+from eventlog.commit.pipeline import CommitPipeline
+from eventlog.digests import tensor_digest
 from eventlog.errors import ConfigError, DecodeError, RewindError, RunNotFoundError, StaleVersionError
-from eventlog.events import Body, CommitSealed, CustomState, Metrics, OptimizerStep, RunStarted, TensorSpec
-from eventlog.fold.apply import TensorBits
+from eventlog.events import Body, OptimizerStep, RunStarted, TensorSpec
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import RebuiltState, SmallStates
-from eventlog.layout import config_digest
-from eventlog.ports import CONTROL, LogTransaction
+from eventlog.optimstep import StepCapture
+from eventlog.ports import CONTROL
 from eventlog.target import LATEST
 from replayer import assemble
 from replayer.replay import ReplayReport, Restorer, replay
 from rewind import distributed, fingerprint
 from rewind.results import CommitResult
-from schemas import SCHEMA_VERSION
-
-if TYPE_CHECKING:
-    from rewind.recorder import Recorder, _Job
-
-
-class Emitter(Protocol):
-    """Appends one version's events to an open log transaction (``rewind.recorder``'s)."""
-
-    gsn: int
-    shard_counts: list[int]
-
-    def __call__(self, shard: int, body: Body) -> None: ...
-
-
-#: ``(recorder, transaction, version, step, first gsn) -> Emitter``.
-EmitterFactory = Callable[["Recorder", LogTransaction, int, int, int], Emitter]
+from rewind.staged import StagedCommit
 
 
 class RankCommit:
-    """The multi-rank side of recorder ``rec``: agrees with the other ranks on the run's shard
-    count (``shards`` per rank for a new run) and creates it. ``restorer``: the recorder's
-    own restore hook, if it was given one (it rebuilds the whole version on every rank).
-    From the recorder's module: ``emitter`` (how it writes a version's events), ``kinds``
-    (the event type of each small state, by name; others are ``CustomState``) and
-    ``rewind_version`` (what a ``RunStarted`` records)."""
+    """The multi-rank side of a recorder that commits through ``pipe``: agrees with the other
+    ranks on the run's shard count (``shards`` per rank for a new run) and creates it.
+    ``restorer``: the recorder's own restore hook, if it was given one (it rebuilds the whole
+    version on every rank). ``objects`` are the recorder's recorded objects (a restore loads
+    this rank's part into them), ``plan`` and ``steps`` its predictive codec's plan and
+    captured optimizer steps."""
 
-    def __init__(self, rec: Recorder, group: distributed.RankGroup, shards: int, restorer: Restorer | None,
-                 emitter: EmitterFactory, kinds: Mapping[str, type[Any]], rewind_version: str) -> None:
-        self._rec, self.group, self._emitter, self._restorer = rec, group, emitter, restorer
-        self._kinds, self._rewind_version = kinds, rewind_version
-        total = rec._log.shard_count() or shards * group.world
+    def __init__(self, pipe: CommitPipeline, group: distributed.RankGroup, shards: int,
+                 restorer: Restorer | None, *, address: RunAddress, objects: Mapping[str, Stateful],
+                 plan: predictive.StepPlan | str, steps: StepCapture | None) -> None:
+        self._pipe, self.group, self._restorer, self._address = pipe, group, restorer, address
+        self._objects, self._plan, self._steps = objects, plan, steps
+        total = pipe.log.shard_count() or shards * group.world
         if total < group.world:
-            raise ConfigError(f"run {rec.run_id!r} has {total} tensor shards, fewer than the {group.world} "
+            raise ConfigError(f"run {pipe.run_id!r} has {total} tensor shards, fewer than the {group.world} "
                               "ranks (each rank writes shards of its own): restore it at a world size of "
                               f"at most {total}")
         if group.rank == 0:
-            rec._log.create(total)
+            pipe.log.create(total)
         group.barrier()  # the partitions exist before any rank writes its part
-        rec._shards = total
+        pipe.shards = total
         self.owned = distributed.owned_shards(group.rank, group.world, total)
         #: The run's global layout, and how many version numbers unsealed parts took.
         self.global_specs: tuple[TensorSpec, ...] = ()
         self.skip = 0
 
     # ------------------------------------------------------------------ commit
-    def write(self, job: _Job) -> CommitResult:
+    def write(self, job: StagedCommit) -> CommitResult:
         """This rank's side of a version: its part in its own transaction, then the
         agreement; rank 0 seals the version once every part is durable."""
-        rec, g = self._rec, self.group
+        pipe, g = self._pipe, self.group
         t0 = time.perf_counter()
-        base = rec._version
+        base = pipe.base.version
         version = base + 1 + self.skip
-        specs, emitted, residual = rec._specs, 0, 0
-        chunk_digests: dict[str, list[bytes]] = {}
-        report, failure = distributed.PartReport(), None
+        failure = None
         try:
-            if job.base_version is not None and job.base_version != base:
-                raise StaleVersionError(job.base_version, base)
-            own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
-            layout = {n: job.layout[n] for n in own}
-            names = _Names(own, g.rank)
-            relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout
-            if relayout:
-                specs = distributed.assign_rank_shards(layout, self.owned, specs, names.owners(rec._plan))
-            spec_of = {s.name: s for s in specs}
-            part = _predict(rec, job, names, spec_of, relayout, base)
-            job.steps = []  # the prediction holds the gradients until it has logged them
-            report.encoding = part.encoding(rec) if own else "no tensors"
-            counts = [0] * rec._shards
-            if own:
-                most = sum(len(tensorcodec.chunk_ranges(len(b), rec._chunk_bytes)) for b in own.values())
-                most += part.prediction.event_count(rec._chunk_bytes) if part.prediction else 0
-                first = rec._allocate_gsns(most)
-                with rec._writer.transaction() as txn:
-                    emit = self._emitter(rec, txn, version, job.step, first)
-                    for shard, body in part.events(rec):  # each shard's steps before its residuals
-                        emit(shard, body)
-                    chunk_digests, residual, _ = rec._encode(
-                        dataclasses.replace(job, staged=own), spec_of, part.predicted, emit)
-                report.encoded_bytes = residual + (part.prediction.grad_bytes if part.prediction else 0)
-                counts, emitted, report.last_gsn = emit.shard_counts, emit.gsn - first, emit.gsn - 1
-            digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, chunk_digests[s.name]) for s in specs}
-            report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
-            report.counts = {s: counts[s] for s in self.owned}
-            report.digests = distributed.shard_digests_of(specs, self.owned, digests)
-            report.small = {n: b for n, b in job.small.items() if rec._small.get(n) != b}
-            report.replicas = {n: digests[n] if n in digests else distributed.bits_digest(
-                n, job.layout[n], job.staged[n], rec._chunk_bytes) for n in job.replicated}
-            report.raw_bytes = sum(len(b) for b in own.values())
+            part = self._write_part(job, base, version)
         except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here
             failure = exc
-            report = distributed.PartReport(error=f"{type(exc).__name__}: {exc}")
+            part = _Written(distributed.PartReport(error=f"{type(exc).__name__}: {exc}"))
+        report = part.report
         reports = [distributed.PartReport.unpack(b, r) for r, b in enumerate(g.all_gather(report.pack()))]
         distributed.check_parts(reports, version, failure)
-        small = dict(rec._small)
+        small = dict(pipe.base.small)
         for rep in reports:
             small.update(rep.small)
         global_specs = tuple(sorted((TensorSpec(n, d, s, h) for rep in reports for n, d, s, h in rep.specs),
@@ -160,51 +114,69 @@ class RankCommit:
         if outcome:
             raise RewindError(f"version {version} was not sealed: rank 0 failed to seal it ({outcome})")
         self.global_specs, self.skip = global_specs, 0
-        last = max(report.last_gsn, rec._last_gsn, sealed or 0)
-        rec._advance(job, specs, chunk_digests, small, version, last)
-        return CommitResult(version, job.step, emitted + (1 if sealed else 0), report.raw_bytes,
-                             report.encoded_bytes, time.perf_counter() - t0, _encoding(reports), residual)
+        last = max(report.last_gsn, pipe.base.last_gsn, sealed or 0)
+        pipe.advance(job.staged, part.specs, part.chunk_digests, small, version, last)
+        return CommitResult(version, job.step, part.emitted + (1 if sealed else 0), report.raw_bytes,
+                            report.encoded_bytes, time.perf_counter() - t0, _encoding(reports), part.residual)
 
-    def _seal(self, job: _Job, base: int, version: int, reports: list[distributed.PartReport],
+    def _write_part(self, job: StagedCommit, base: int, version: int) -> _Written:
+        """This rank's part of ``version``, durable in its own transaction, and its report."""
+        pipe, g = self._pipe, self.group
+        if job.base_version is not None and job.base_version != base:
+            raise StaleVersionError(job.base_version, base)
+        own = {n: b for n, b in job.staged.items() if g.rank == 0 or n not in job.replicated}
+        layout = {n: job.layout[n] for n in own}
+        names = _Names(own, g.rank)
+        specs = pipe.base.specs
+        relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != layout
+        if relayout:
+            specs = distributed.assign_rank_shards(layout, self.owned, specs, names.owners(self._plan))
+        spec_of = {s.name: s for s in specs}
+        part = _predict(pipe, self._plan, job, names, spec_of, relayout, base)
+        job.steps = []  # the prediction holds the gradients until it has logged them
+        out = _Written(distributed.PartReport(), specs)
+        out.report.encoding = pipe.codec(part.prediction, part.why_not) if own else "no tensors"
+        counts = [0] * pipe.shards
+        if own:
+            most = sum(len(tensorcodec.chunk_ranges(len(b), pipe.chunk_bytes)) for b in own.values())
+            most += part.prediction.event_count(pipe.chunk_bytes) if part.prediction else 0
+            with pipe.transaction(version, job.step, most) as emit:
+                for shard, body in part.events(pipe):  # each shard's steps before its residuals
+                    emit(shard, body)
+                out.chunk_digests, out.residual, _ = pipe.encode(own, spec_of, part.predicted, emit)
+            out.report.encoded_bytes = out.residual + (part.prediction.grad_bytes if part.prediction else 0)
+            counts, out.emitted, out.report.last_gsn = emit.shard_counts, emit.gsn - emit.first, emit.gsn - 1
+        digests = {s.name: tensor_digest(s.name, s.dtype, s.shape, out.chunk_digests[s.name]) for s in specs}
+        report = out.report
+        report.specs = [(s.name, s.dtype, tuple(s.shape), s.shard) for s in specs]
+        report.counts = {s: counts[s] for s in self.owned}
+        report.digests = distributed.shard_digests_of(specs, self.owned, digests)
+        report.small = {n: b for n, b in job.small.items() if pipe.base.small.get(n) != b}
+        report.replicas = {n: digests[n] if n in digests else distributed.bits_digest(
+            n, job.layout[n], job.staged[n], pipe.chunk_bytes) for n in job.replicated}
+        report.raw_bytes = sum(len(b) for b in own.values())
+        return out
+
+    def _seal(self, job: StagedCommit, base: int, version: int, reports: list[distributed.PartReport],
               specs: tuple[TensorSpec, ...], small: dict[str, bytes]) -> int:
         """Rank 0: the version's control events and its global seal, in one transaction,
         after every rank's part is durable; returns the seal's gsn."""
-        rec = self._rec
-        control: list[Body] = []
-        if specs != self.global_specs:
-            control.append(RunStarted(
-                rec._shards, specs, tuple(sorted(small)), config_digest(specs, list(small)),
-                torch.__version__, "cuda" if torch.cuda.is_available() else "cpu",
-                self._rewind_version, SCHEMA_VERSION, rec._chunk_bytes))
+        pipe = self._pipe
+        head: list[Body] = [pipe.layout_event(specs, small)] if specs != self.global_specs else []
         if base == 0 and job.environment is not None:  # the run's first seal: rank 0's environment
-            control.append(job.environment)
-        for name, state in sorted(small.items()):
-            if rec._small.get(name) != state:
-                control.append(self._kinds.get(name.rpartition("/")[2], CustomState)(name, state))
-        if job.metrics:
-            control.append(Metrics(job.metrics))
-        counts, digests = [0] * rec._shards, [b""] * rec._shards
+            head.append(job.environment)
+        control = pipe.control_events(head, small, job.metrics, ranked=True)
+        counts, digests = [0] * pipe.shards, [b""] * pipe.shards
         for rep in reports:
             for shard, n in rep.counts.items():
                 counts[shard] = n
             for shard, d in rep.digests.items():
                 digests[shard] = d
-        small_dig = small_digest(small)
-        control.append(CommitSealed(
-            base, tuple(counts), len(control), tuple(digests), small_dig, state_digest(digests, small_dig),
-            _encoding(reports), sum(r.raw_bytes for r in reports),
-            sum(r.encoded_bytes for r in reports)))
-        rec._claim_version(base, version)
-        try:
-            first = rec._allocate_gsns(len(control))
-            with rec._writer.transaction() as txn:
-                emit = self._emitter(rec, txn, version, job.step, first)
-                for event in control:
-                    emit(CONTROL, event)
-        except BaseException:
-            with contextlib.suppress(RewindError):
-                rec._coord.compare_and_set_version(rec.run_id, version, base)
-            raise
+        control.append(pipe.seal(base, counts, len(control), digests, small, _encoding(reports),
+                                 sum(r.raw_bytes for r in reports), sum(r.encoded_bytes for r in reports)))
+        with pipe.transaction(version, job.step, len(control), claim_from=base) as emit:
+            for event in control:
+                emit(CONTROL, event)
         return emit.gsn - 1
 
     # ------------------------------------------------------------------ restore
@@ -212,63 +184,71 @@ class RankCommit:
         """Load this rank's part of the newest sealed version (``None``: nothing sealed yet);
         every rank learns which version numbers a crashed commit's unsealed parts took, so
         none is reused."""
-        rec, g = self._rec, self.group
+        pipe, g = self._pipe, self.group
         state, report = None, None
         with contextlib.suppress(RunNotFoundError):
             state, report = self._rebuild()
         sealed = 0 if state is None else state.version
         part = state is not None and len(state.shards) < state.layout.shard_count
+        newest, floor = self._agree(sealed, part)
+        if state is not None:
+            self._load(state, part)
+            floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
+        pipe.base.chunk_digests = {}
+        if self._steps is not None:
+            self._steps.take()  # steps taken before the restore led to another state
+        pipe.base.version, self.skip = sealed, newest - sealed
+        pipe.base.last_gsn = max(pipe.base.last_gsn, floor)
+        if g.rank == 0:
+            pipe.coord.reset_version(pipe.run_id, sealed)
+            pipe.coord.raise_gsn_floor(pipe.run_id, pipe.base.last_gsn)
+            if state is not None and report is not None:
+                # Every rank checked its part against the seal (they agreed on the version).
+                fingerprint.log_resume(pipe, state, report)
+        g.barrier()  # no rank commits before rank 0 set the coordinator
+        if state is None or report is None:
+            return None
+        return state, report
+
+    def _agree(self, sealed: int, part: bool) -> tuple[int, int]:
+        """Check that every rank restored version ``sealed`` the same way (``part``: rank by
+        rank); returns the newest version number an unsealed part took and the gsn floor."""
         # Each rank reads the ends of its own partitions; the maximum over ranks covers all.
-        tail_version, tail_gsn = distributed.unsealed_tail(rec._log, self.owned, sealed)
+        tail_version, tail_gsn = distributed.unsealed_tail(self._pipe.log, self.owned, sealed)
         mine = msgpack.packb([sealed, tail_version, tail_gsn, part])
-        seen = [msgpack.unpackb(b) for b in g.all_gather(mine)]
+        seen = [msgpack.unpackb(b) for b in self.group.all_gather(mine)]
         if any(v != sealed for v, _, _, _ in seen):
             raise RewindError(f"the ranks restored different versions ({[v for v, _, _, _ in seen]}): the "
                               "log changed while they read it; restore again once no rank commits")
         if any(p != part for _, _, _, p in seen):
             raise RewindError(f"the ranks disagree on whether version {sealed} is restored rank by rank "
                               f"({[p for _, _, _, p in seen]}); restore again")
-        newest = max(max(v for _, v, _, _ in seen), sealed)
-        floor = max(t for _, _, t, _ in seen)
-        if state is not None:
-            replicated = self._share_replicated(state) if part else {}
-            distributed.load_rank(rec._objects, state, g.rank, g.world, replicated)
-            self.global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
-            if distributed.recorded_world(state) == g.world:
-                mine = set(self.owned)
-                rec._specs = tuple(s for s in state.layout.tensors if s.shard in mine)
-                rec._prev = {n: t.bits.copy() for s in state.shards if s.shard in mine
-                             for n, t in s.tensors.items()}
-            else:
-                # Resharded: the shards this rank now owns held other ranks' tensors, so its
-                # first commit writes every tensor in full (the new layout drops the old names).
-                rec._specs, rec._prev = (), {}
-            rec._chunk_bytes = state.layout.chunk_bytes
-            rec._small = dict(state.small.states)
-            floor = max([floor, state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
-        rec._prev_chunks = {}
-        if rec._steps is not None:
-            rec._steps.take()  # steps taken before the restore led to another state
-        rec._version, self.skip = sealed, newest - sealed
-        rec._last_gsn = max(rec._last_gsn, floor)
-        if g.rank == 0:
-            rec._coord.reset_version(rec.run_id, sealed)
-            rec._coord.raise_gsn_floor(rec.run_id, rec._last_gsn)
-            if state is not None and report is not None:
-                # Every rank checked its part against the seal (they agreed on the version).
-                rec._last_gsn = fingerprint.log_resume(rec._writer, rec._coord, rec.run_id,
-                                                       f"{rec.writer_id}#{rec.session}", state, report)
-        g.barrier()  # no rank commits before rank 0 set the coordinator
-        if state is None or report is None:
-            return None
-        return state, report
+        return max(max(v for _, v, _, _ in seen), sealed), max(t for _, _, t, _ in seen)
+
+    def _load(self, state: RebuiltState, part: bool) -> None:
+        """Load this rank's part of ``state`` into the objects, and make it the pipeline's base."""
+        g, base = self.group, self._pipe.base
+        replicated = self._share_replicated(state) if part else {}
+        distributed.load_rank(self._objects, state, g.rank, g.world, replicated)
+        self.global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
+        if distributed.recorded_world(state) == g.world:
+            mine = set(self.owned)
+            base.specs = tuple(s for s in state.layout.tensors if s.shard in mine)
+            base.bits = {n: t.bits.copy() for s in state.shards if s.shard in mine
+                         for n, t in s.tensors.items()}
+        else:
+            # Resharded: the shards this rank now owns held other ranks' tensors, so its
+            # first commit writes every tensor in full (the new layout drops the old names).
+            base.specs, base.bits = (), {}
+        self._pipe.chunk_bytes = state.layout.chunk_bytes
+        base.small = dict(state.small.states)
 
     def _rebuild(self) -> tuple[RebuiltState, ReplayReport]:
         """The newest sealed version: this rank's shards of it when it was recorded at this
         world size, else all of it (or what the recorder's own restore hook rebuilds)."""
         if self._restorer is not None:
-            return self._restorer(self._rec._log)
-        return replay(self._rec.address, LATEST, workers=2, shards=self._shards_to_fold)
+            return self._restorer(self._pipe.log)
+        return replay(self._address, LATEST, workers=2, shards=self._shards_to_fold)
 
     def _shards_to_fold(self, layout: RunStarted, small: SmallStates) -> Collection[int]:
         """This rank's own shards if the version was recorded at this world size (its shards
@@ -338,6 +318,18 @@ class _Names:
 
 
 @dataclass
+class _Written:
+    """What a rank's ``_write_part`` made: its report to the other ranks, its layout, its
+    chunk digests (the next base's), its event count and residual bytes."""
+
+    report: distributed.PartReport
+    specs: tuple[TensorSpec, ...] = ()
+    chunk_digests: dict[str, list[bytes]] = dataclasses.field(default_factory=dict)
+    emitted: int = 0
+    residual: int = 0
+
+
+@dataclass
 class _Part:
     """How a rank's part of a version is encoded: a prediction on its own shards (names as
     ``_Names`` gives them) or, with ``why_not``, XOR deltas."""
@@ -354,20 +346,12 @@ class _Part:
             return set()
         return {self.names.log[n] for n in self.prediction.predicted}
 
-    def encoding(self, rec: Recorder) -> str:
-        """The part's codec, and why it is not predictive."""
-        if self.prediction is None:
-            return f"xor-delta/blosc2-zstd (not predictive: {self.why_not})"
-        return (f"predictive/{self.prediction.plan.optimizer} x{self.prediction.steps} "
-                f"+ gradients/{rec._settings.grad_compression} + residual/blosc2-zstd")
-
-    def events(self, rec: Recorder) -> Iterator[tuple[int, Body]]:
+    def events(self, pipe: CommitPipeline) -> Iterator[tuple[int, Body]]:
         """The prediction's events, renamed to the log's names."""
         if self.prediction is None or self.names is None:
             return
         log = self.names.log
-        for shard, body in self.prediction.events(rec._pool, rec._chunk_bytes, rec._settings.grad_compression,
-                                                  rec._window):
+        for shard, body in pipe.prediction_events(self.prediction):
             if isinstance(body, OptimizerStep):
                 body = dataclasses.replace(
                     body, params=tuple(log[n] for n in body.params),
@@ -378,11 +362,10 @@ class _Part:
             yield shard, body
 
 
-def _predict(rec: Recorder, job: _Job, names: _Names, spec_of: Mapping[str, TensorSpec], relayout: bool,
-             base: int) -> _Part:
+def _predict(pipe: CommitPipeline, plan: predictive.StepPlan | str, job: StagedCommit, names: _Names,
+             spec_of: Mapping[str, TensorSpec], relayout: bool, base: int) -> _Part:
     """This rank's part of the version as a prediction, when the single-process rules allow
     it (``predictive.check``) on its own tensors, else why not."""
-    plan = rec._plan
     if isinstance(plan, str):
         return _Part(why_not=plan)
     if names.clash:
@@ -397,13 +380,8 @@ def _predict(rec: Recorder, job: _Job, names: _Names, spec_of: Mapping[str, Tens
     if job.steps and not any(s.grads for s in steps):
         return _Part(why_not="the rank holds no element of any param")
     plain_specs = {n: dataclasses.replace(spec_of[logged], name=n) for n, logged in names.log.items()}
-    prev = {n: rec._prev[logged] for n, logged in names.log.items() if logged in rec._prev}
-    why = predictive.check(plan, steps, plain_specs, prev, relayout, base, rec._settings.predict_max_steps)
-    if why is not None:
+    prev = {n: pipe.base.bits[logged] for n, logged in names.log.items() if logged in pipe.base.bits}
+    prediction, why = pipe.predict(plan, steps, plain_specs, prev, relayout, base)
+    if prediction is None:
         return _Part(why_not=why)
-    try:
-        prediction = predictive.predict(plan, steps, plain_specs, prev)
-    except Exception as exc:  # noqa: BLE001 - a step torch refuses must not stop training
-        # Refused on copies: the previous bits are untouched, and deltas against them stand.
-        return _Part(why_not=f"the {plan.optimizer} step could not be replayed ({exc})")
     return _Part(prediction, "", names, prefixes)

@@ -27,9 +27,9 @@ from eventlog import (
     RunAddress,
     RunNotFoundError,
     intraop,
-    serde,
 )
-from eventlog.events import Body, Envelope, RunStarted, SnapshotBegin, SnapshotEnd
+from eventlog.commit.append import append_control
+from eventlog.events import Body, RunStarted, SnapshotBegin, SnapshotEnd
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import (
     ControlIndex,
@@ -299,11 +299,7 @@ class Snapshotter:
     def _append(self, body: Body, version: int, step: int) -> None:
         if self._writer is None:
             self._writer = self._log.writer(f"{self.address.run_id}.snapshotter")
-        gsn = self._coord.allocate_gsns(self.address.run_id, 1)
-        env = Envelope(self.address.run_id, gsn, version, step, CONTROL, self.holder,
-                       int(time.time() * 1000), body)
-        with self._writer.transaction() as txn:
-            txn.append(CONTROL, serde.encode(env))
+        append_control(self._writer, self._coord, self.address.run_id, self.holder, version, step, [body])
 
     # ------------------------------------------------------------------ retention
     def retain(self) -> tuple[list[str], list[int] | None]:

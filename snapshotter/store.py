@@ -26,7 +26,8 @@ import xxhash
 
 from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto
 from eventlog.durability import fsync_dir
-from eventlog.fold.apply import ShardState, TensorBits
+from eventlog.fold.apply import ShardState
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import SmallStates
 from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.tensorcodec import itemsize, nbytes_of

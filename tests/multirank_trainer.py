@@ -54,6 +54,7 @@ import socket
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,9 +69,10 @@ from torch.distributed.tensor import DTensor
 
 import rewind
 from eventlog.backends import RunAddress
+from eventlog.commit.append import EventAppender
+from eventlog.commit.pipeline import CommitPipeline
 from eventlog.fold.engine import events, index_control
 from rewind import distributed as rdist
-from rewind import recorder as rrec
 
 IN, OUT = 8, 4
 
@@ -117,21 +119,25 @@ def install_faults(kill: str, rank: int) -> None:
         return
     if kind == "emit":
         k, n = int(at[0]), int(at[1])
-        made, init, call = [0], rrec._Emitter.__init__, rrec._Emitter.__call__
+        made, transaction, call = [0], CommitPipeline.transaction, EventAppender.__call__
 
-        def counted_init(self: Any, *a: Any, **kw: Any) -> None:
+        @contextlib.contextmanager
+        def counted_transaction(self: Any, *a: Any, **kw: Any) -> Iterator[Any]:
             made[0] += 1
-            self._fault = [made[0], 0]
-            init(self, *a, **kw)
+            with transaction(self, *a, **kw) as emit:
+                emit._fault = [made[0], 0]
+                yield emit
 
         def counted_call(self: Any, *a: Any, **kw: Any) -> None:
-            if self._fault >= [k, n]:  # lexicographic: transaction k's event n, or the next one
-                _kill()
-            self._fault[1] += 1
+            fault = getattr(self, "_fault", None)  # None: not a commit's transaction
+            if fault is not None:
+                if fault >= [k, n]:  # lexicographic: transaction k's event n, or the next one
+                    _kill()
+                fault[1] += 1
             call(self, *a, **kw)
 
-        rrec._Emitter.__init__ = counted_init  # type: ignore[method-assign]
-        rrec._Emitter.__call__ = counted_call  # type: ignore[method-assign]
+        CommitPipeline.transaction = counted_transaction  # type: ignore[method-assign]
+        EventAppender.__call__ = counted_call  # type: ignore[method-assign]
     elif kind == "part":
         k = int(at[0])
         packed, pack = [0], rdist.PartReport.pack

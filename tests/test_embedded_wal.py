@@ -103,7 +103,7 @@ def test_the_recorder_opens_a_window_at_each_commit(
     with Recorder(address, model) as rec:
         rec.commit(1, wait=True)
         time.sleep(0.3)
-        writer = rec._writer
+        writer = rec._pipe.log_writer
         assert _runs(writer) == 0
         with torch.no_grad():
             model.weight.add_(1.0)

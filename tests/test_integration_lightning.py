@@ -1,5 +1,7 @@
 """The Lightning adapter: a ``Trainer.fit`` SIGKILLed at random points, mid-epoch included,
-and resumed through ``RewindCallback`` ends bit-equal to the same fit never interrupted."""
+and resumed through ``RewindCallback`` ends bit-equal to the same fit never interrupted; and
+a recorded fit is bit-equal, step by step, to the same fit with neither the callback nor
+``ResumableLoader``."""
 
 from __future__ import annotations
 
@@ -20,12 +22,13 @@ pytest.importorskip("lightning")
 #: Small fits, each in its own process, SIGKILLed or run to the end. Importing lightning
 #: costs far more than a fit, so one process imports it and forks a fresh child per fit
 #: (the parent never trains: each child starts as a new process would). Each training step
-#: logs its global step, the ids of its batch and the loss's bits; the dataset draws a torch
+#: logs its global step, the ids of its batch, a digest of the parameters it starts from and
+#: the loss's bits; the dataset draws a torch
 #: augmentation per sample and the step draws from numpy and ``random``, so every RNG is in
 #: the loop. A child SIGKILLs itself inside the training step of global step ``kill_at``, or
 #: else dumps its final state. The parent prints each child's exit status.
 FITS = """
-import json, os, random, sys, traceback
+import hashlib, json, os, random, sys, traceback
 import numpy as np
 import torch
 import lightning.pytorch as pl
@@ -53,9 +56,11 @@ class Net(pl.LightningModule):
         ids, x, y = batch
         x = x * (1 + 0.01 * float(np.random.rand()) + 0.01 * random.random())
         loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        params = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in self.parameters()))
         with open(self.cfg["losses"], "a") as f:
             f.write(json.dumps({"step": self.global_step, "epoch": self.current_epoch, "batch": batch_idx,
-                                "ids": ids.tolist(), "loss": loss.item().hex()}) + "\\n")
+                                "ids": ids.tolist(), "params": params.hexdigest(),
+                                "loss": loss.item().hex()}) + "\\n")
         if self.global_step == self.cfg["kill_at"]:
             # Commits are asynchronous: what was durable when the kill lands is what a resume
             # must not lose (under load, possibly nothing yet).
@@ -75,7 +80,9 @@ def fit(cfg):
     torch.manual_seed(0); np.random.seed(0); random.seed(0)
     model = Net(cfg)
     callback = RewindCallback(RunAddress(cfg["url"], cfg["url"], cfg["run"]), every_n_steps=cfg["every"])
-    trainer = pl.Trainer(max_epochs=cfg["epochs"], accelerator="cpu", devices=1, callbacks=[callback],
+    recorded = cfg.get("record", True)  # False: the same fit with no recorder at all
+    trainer = pl.Trainer(max_epochs=cfg["epochs"], accelerator="cpu", devices=1,
+                         callbacks=[callback] if recorded else [],
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     data = Points(cfg["samples"])
@@ -96,7 +103,7 @@ def fit(cfg):
     final["scheduler"] = json.dumps(sched.state_dict(), sort_keys=True)
     final["optimizer/lr"] = opt.param_groups[0]["lr"].hex()
     final["global_step"] = trainer.global_step
-    final["restored"] = None if callback.restored.fresh else callback.restored.step
+    final["restored"] = None if not recorded or callback.restored.fresh else callback.restored.step
     with open(cfg["final"], "w") as f:
         json.dump(final, f)
 
@@ -205,6 +212,24 @@ def test_fits_killed_at_random_steps_resume_bit_equal(tmp_path: Path) -> None:
             "ResumableLoader(loader) so a resume continues on the exact next batch") in stderr
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sampler", ["random", "distributed"])
+def test_a_recorded_fit_is_bit_equal_to_the_same_fit_without_a_recorder(tmp_path: Path, sampler: str) -> None:
+    """Recording changes nothing: a fit through ``ResumableLoader`` and ``RewindCallback``
+    trains every step on the batch, from the parameters and with the loss bits of the same
+    fit with the bare ``DataLoader`` and no callback, and ends bit-equal (every RNG included)."""
+    recorded, *_ = _chain(tmp_path, "recorded", [], sampler=sampler)
+    bare = {**recorded, "record": False, "wrap": False, "losses": str(tmp_path / "bare.jsonl"),
+            "final": str(tmp_path / "bare.json")}
+    codes, stderr = _fits([recorded, bare])
+    assert codes == [0, 0], stderr[-3000:]
+    steps = [_steps(Path(str(c["losses"]))) for c in (recorded, bare)]
+    assert len(steps[0]) == EPOCHS * BATCHES
+    assert [i for i, (a, b) in enumerate(zip(*steps, strict=True)) if a != b] == []
+    finals = [json.loads(Path(str(c["final"])).read_text()) for c in (recorded, bare)]
+    assert [k for k in finals[1] if finals[0][k] != finals[1][k]] == []
+
+
 def _version_steps(cfg: dict[str, object]) -> list[list[int]]:
     """The steps of the run's sealed versions, a list per writer session (a resume starts one)."""
     url = str(cfg["url"])
@@ -237,3 +262,38 @@ def test_a_commit_due_on_an_epochs_last_batch_is_made_on_the_next_batch(tmp_path
         # restored the one at step 9 and made the rest.
         assert _version_steps(chain[1]) == [[s for s in steps if s <= kill], [s for s in steps if s > kill]]
         assert _check_chain(chain, [kill], total=16) == [0, 9]
+
+
+def test_an_iterator_never_advanced_draws_nothing_and_one_that_cannot_be_taken_back_is_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``iter()`` twice on a ``ResumableLoader`` (Lightning's check, then its fit) leaves the
+    RNGs where one ``iter()`` on the bare ``DataLoader`` leaves them, and yields the same
+    batches; when random numbers were drawn between the two, the first one's draw cannot be
+    taken back, and a WARNING says so."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from rewind.integrations.lightning import ResumableLoader
+
+    def loader() -> DataLoader[tuple[torch.Tensor, ...]]:
+        return DataLoader(TensorDataset(torch.arange(8)), batch_size=2, shuffle=True)
+
+    def run(wrapped: bool, draw_between: bool) -> tuple[list[list[int]], torch.Tensor]:
+        torch.manual_seed(3)
+        data = ResumableLoader(loader()) if wrapped else loader()
+        if wrapped:
+            iter(data)
+        if draw_between:
+            torch.rand(1)
+        batches = [b[0].tolist() for b in data]
+        return batches, torch.get_rng_state()
+
+    bare_batches, bare_rng = run(wrapped=False, draw_between=False)
+    batches, rng = run(wrapped=True, draw_between=False)
+    assert batches == bare_batches and torch.equal(rng, bare_rng)
+    assert not caplog.records
+    run(wrapped=True, draw_between=True)
+    assert [r.getMessage() for r in caplog.records] == [
+        "ResumableLoader: an iterator that was never used drew random numbers that cannot be taken back "
+        "(more were drawn since): this fit draws one more seed than the same fit with the bare loader"]

@@ -15,6 +15,7 @@ import torch
 
 import schemas
 from eventlog import RunAddress, Target
+from eventlog.commit.append import append_control
 from eventlog.events import EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import index_control
 from replayer.replay import replay
@@ -116,7 +117,7 @@ def test_a_forged_resume_makes_verify_exit_1(tmp_path: Path, capsys: pytest.Capt
     with address.open_log() as log, address.open_coordinator() as coord:
         writer = log.writer("forger")
         forged = Resumed(2, 1, bytes(16), None, 0, 2, 10)
-        fingerprint.log_control(writer, coord, "r", "forger#0", 2, 1, [forged])
+        append_control(writer, coord, "r", "forger#0", 2, 1, [forged])
         writer.close()
     report = _json(capsys, "verify", "--log", url, "--run", "r", status=1)
     assert report["ok"] is False

@@ -19,7 +19,8 @@ from eventlog import CorruptMessageError, CorruptStoreError, serde
 from eventlog import tensorcodec as tc
 from eventlog.embedded import EmbeddedLog
 from eventlog.events import Envelope, TensorDelta
-from eventlog.fold.apply import ShardState, TensorBits
+from eventlog.fold.apply import ShardState
+from eventlog.fold.bits import TensorBits
 from eventlog.ports import CONTROL
 from snapshotter.store import SnapshotCorruptError, load_shard_file, shard_file_bytes
 

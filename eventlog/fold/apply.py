@@ -24,6 +24,7 @@ from eventlog.errors import (
     RunNotFoundError,
 )
 from eventlog.events import CommitSealed, Envelope, OptimizerStep, RunStarted, TensorDelta, TensorSpec
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.deferred import DeferredSteps
 from eventlog.fold.sharing import WorkBoard
 from eventlog.layout import intact
@@ -94,15 +95,6 @@ class Placement:
                 if intact(layout) else None  # damaged itself: the chunks are not to blame
             known = self._of_layout[id(layout)] = (layout, names)
         return known[1]
-
-
-@dataclass
-class TensorBits:
-    """A tensor's raw bits as the fold rebuilds them."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    bits: np.ndarray
 
 
 @dataclass

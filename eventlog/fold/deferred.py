@@ -38,7 +38,7 @@ import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,7 +46,9 @@ import torch
 from eventlog import optimstep, tensorcodec
 from eventlog.errors import IntegrityError, RewindError
 from eventlog.events import OptimizerStep, TensorDelta
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.sharing import WorkBoard
+from eventlog.tiles import TILE_ALIGN, units_of
 
 #: Optimizers whose step only reads its gradients (torch's Adam and AdamW write one only to
 #: unscale it by ``grad_scale``, which ``optimstep`` never passes). Their raw gradients are
@@ -56,29 +58,24 @@ from eventlog.fold.sharing import WorkBoard
 READS_GRADS_ONLY = frozenset({"Adam", "AdamW"})
 
 
-#: Tiles start and end on multiples of this many bytes from their tensor's start. torch's
-#: fused CPU Adam shares a call's elements among its threads in 64-byte cache lines, and
-#: runs each range's elements past its last whole vector through a scalar loop whose bits
-#: differ from the vector loop's: a tile boundary off that grid would move elements from
-#: one loop to the other, and the replay would miss the seal.
-TILE_ALIGN = 64
+_warning_consumed = False
+_warning_lock = threading.Lock()
 
 
 def _consume_readonly_warning() -> None:
     """torch warns once per process, from one place, that it cannot make a tensor over
     read-only memory read-only. The gradient views above are only read, so that warning
-    is consumed here, at import (one thread), where a ``-W error`` setting cannot turn a
-    replay into a failure. The cost: a later ``torch.from_numpy`` of a read-only array in
-    the same process does not warn either."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.from_numpy(np.frombuffer(b"\0" * 4, dtype=np.uint8))
-
-
-_consume_readonly_warning()
-
-if TYPE_CHECKING:
-    from eventlog.fold.apply import TensorBits
+    is consumed here, before the first batch of steps runs (under a lock: one thread), where
+    a ``-W error`` setting cannot turn a replay into a failure. The cost: a later
+    ``torch.from_numpy`` of a read-only array in the same process does not warn either."""
+    global _warning_consumed
+    with _warning_lock:
+        if _warning_consumed:
+            return
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch.from_numpy(np.frombuffer(b"\0" * 4, dtype=np.uint8))
+        _warning_consumed = True
 
 
 @dataclass
@@ -198,6 +195,7 @@ class DeferredSteps:
         Tiles are gathered into units of about ``unit_bytes`` of gradient (small params
         share one), and each unit runs all steps before the next unit starts.
         """
+        _consume_readonly_warning()
         steps, self.steps = self.steps, []
         kept = [d for g in self._grads.values() for d, _ in g.chunks.values()]
         self.nbytes, self.mapped = sum(map(_held, kept)), sum(map(_mapped, kept))
@@ -301,28 +299,6 @@ def _mapped(delta: TensorDelta) -> int:
 
 def _numel(t: TensorBits) -> int:
     return math.prod(t.shape)
-
-
-class _Sized(Protocol):
-    @property
-    def nbytes(self) -> int: ...
-
-
-_S = TypeVar("_S", bound=_Sized)
-
-
-def units_of(tiles: list[_S], unit_bytes: int) -> list[list[_S]]:
-    """Consecutive tiles gathered into units of at most ``unit_bytes`` of gradient (a bigger
-    tile is a unit of its own), so small params do not pay one optimizer call each."""
-    units: list[list[_S]] = []
-    size = 0
-    for tile in tiles:
-        if not units or size + tile.nbytes > unit_bytes:
-            units.append([])
-            size = 0
-        units[-1].append(tile)
-        size += tile.nbytes
-    return units
 
 
 class Scratch:

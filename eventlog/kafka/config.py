@@ -9,7 +9,6 @@ Also the sizes and timeouts every part of the backend agrees on, and its logger.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Callable
 from typing import Any
@@ -18,6 +17,7 @@ from urllib.parse import parse_qsl
 from confluent_kafka import KafkaError, Message
 
 from eventlog.errors import ConfigError
+from eventlog.settings import deployment
 
 logger = logging.getLogger("rewind.kafka")
 # librdkafka's own log lines (a refused connection logs FAIL every second) reach this logger;
@@ -66,11 +66,8 @@ class KafkaSettings:
         if not servers:
             raise ConfigError(f"Kafka URL {redact(url)!r} names no bootstrap server")
         self.bootstrap = ",".join(servers)
-        options: dict[str, str] = {}
         # The environment first, so that the URL wins.
-        for name, value in os.environ.items():
-            if name.startswith("REWIND_KAFKA_CONF_") and len(name) > len("REWIND_KAFKA_CONF_"):
-                options[name[len("REWIND_KAFKA_CONF_"):].lower().replace("_", ".")] = value
+        options = dict(deployment().kafka_conf)
         options.update(parse_qsl(query, keep_blank_values=True))
         self.prefix = options.pop("prefix", DEFAULT_PREFIX)
         if not self.prefix or not TOPIC_NAME.match(self.prefix):

@@ -27,7 +27,10 @@ diff: ``from to differs tensors`` (each: ``name dtype shape changed l2
 bit_equal``; ``l2`` is null for tensors that cannot be compared). bisect: ``status``
 (identical, diverged, differ-from-start; ``ok`` is true only for identical), ``step``,
 ``version_a version_b``, ``previous_step``, ``shards tensors small_states optimizer_step
-hyperparameters environment layout notes replayed seconds``. plot: ``run file``.
+hyperparameters environment layout notes replayed seconds``, ``world`` (each run's world
+size there, 0 for one process), ``strict``, ``measurements measurements_step
+measured_steps`` (what differs in wall-clock and other measurements only) and
+``encoded_steps`` (steps equal as values, not as bytes). plot: ``run file``.
 followers: ``run followers forgotten``. snapshot: ``run snapshot`` (null when nothing was
 new; then also ``deleted truncated_before``, what the retention options given did).
 snapshotter: ``run written``. verify: ``run findings`` (each: ``subject status detail``),

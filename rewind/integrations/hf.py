@@ -28,7 +28,9 @@ the last one):
   ``log_history``, which would make each commit grow with the run);
 * the data position: the epoch, the batches consumed in it, the state of every
   ``torch.Generator`` the train dataloader and its samplers hold, and those generators and
-  the RNGs as the epoch began.
+  the RNGs as the epoch began;
+* every ``extra`` object. One that is the data collator (or the object whose method the
+  collator is) is recorded as it was before the next batch was collated (below).
 
 Why the resume is exact. The trainer draws an epoch's batch order when the epoch begins
 (from the sampler's generator, or from the global RNG for a sampler without one). On a
@@ -36,21 +38,46 @@ mid-epoch resume the callback puts back the RNG states the epoch began with befo
 trainer draws that order again and skips the consumed batches, then the RNG states of the
 commit just before the first resumed forward pass. No batch is replayed or skipped, and no
 RNG draw is made that the uninterrupted run did not make. Evaluation during training leaves
-the RNGs as it found them (the callback puts them back after each evaluation), so a
-resumed run, which does not repeat an evaluation, draws the same numbers.
+the RNGs and the collator as it found them (the callback puts them back after each
+evaluation), so a resumed run, which does not repeat an evaluation, draws the same numbers.
 
-Limits: one process (``world_size`` 1); a map-style dataset; a dataset and collator that do
-not draw from the global RNGs (the dataloader fetches batches ahead of the step that uses
-them). The trainer's ``total_flos`` and ``log_history`` are not part of a version.
+The collator. accelerate's dataloader collates one batch ahead of the one it hands over
+(to know which is the last), so when step ``k`` commits, the batch of step ``k + 1`` is
+already collated, and a resume, whose trainer skips the consumed batches without collating
+them, collates that batch first. The callback therefore runs the train dataloader's
+``collate_fn`` through a wrapper that keeps, before each call, the global RNGs and the
+recorded collator's state (it draws nothing). A commit records those of the call for the
+next batch when it was already made, and the live ones otherwise (at an epoch's end). On a
+mid-epoch resume the first collate call starts from the recorded global RNGs, and the RNGs
+of the commit follow it, as in the uninterrupted run. So a collator with its own generator
+(recorded through ``extra``) and one that draws from the global RNGs both resume exactly.
+
+A finished run started again (``train()`` on a run at ``max_steps``) trains nothing: the
+trainer, resumed at a step in the middle of an epoch, would train one more before it
+stops, so ``checkpoint()`` tells it the step at the end of that epoch; the callback loads
+the recorded version, and puts the recorded step back in ``state.global_step`` at
+``on_train_end``. The run's state is then the uninterrupted run's, and no version is added.
+(``checkpoint()`` reads ``max_steps`` from the trainer's arguments, which a callback passed
+as ``Trainer(callbacks=[...])`` receives; to a callback added later, such a ``train()`` is
+refused with an error that says so.)
+
+Limits: one process (``world_size`` 1); a map-style dataset; a dataset that does not draw
+from the global RNGs, and, with ``dataloader_num_workers`` above 0, a collator that does
+not either (the dataloader fetches batches ahead of the step that uses them; in worker
+processes its calls cannot be seen: a collator recorded through ``extra`` is refused
+there). The trainer's ``total_flos`` and ``log_history`` are
+not part of a version.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
+import math
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -80,6 +107,9 @@ _OWN_STATES = ("trainer", "data", "epoch_start", HF_CONFIG)
 #: The ``TrainerState`` fields a restore loads: the run's progress.
 _PROGRESS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "best_metric",
              "best_global_step", "best_model_checkpoint")
+#: Attributes that lead from a dataloader's ``collate_fn`` to the object it calls (the
+#: trainer's column-removing wrapper, a bound method, a ``functools.partial``).
+_COLLATOR_LINKS = ("data_collator", "__self__", "func")
 #: Attributes that lead from a dataloader to its samplers and generators.
 _LOADER_LINKS = ("generator", "synchronized_generator", "sampler", "batch_sampler")
 
@@ -115,6 +145,111 @@ def _load_generators(loader: object, states: Mapping[str, torch.Tensor]) -> None
             g.set_state(states[path])
 
 
+def _collator_objects(collate: object) -> list[object]:
+    """The objects a dataloader's ``collate_fn`` calls through (itself first)."""
+    found: list[object] = []
+    obj: object = collate
+    for _ in range(4):
+        found.append(obj)
+        links = (getattr(obj, link, None) for link in _COLLATOR_LINKS)
+        nxt = next((o for o in links if o is not None), None)
+        if nxt is None or any(nxt is o for o in found):
+            break
+        obj = nxt
+    return found
+
+
+@dataclasses.dataclass
+class _Fetched:
+    """The state just before one collate call: the global RNGs and the data-side objects."""
+
+    rng: dict[str, Any]
+    objects: dict[str, Any]
+
+
+class _Fetches:
+    """The train dataloader's collate calls in the current epoch, each with the state just
+    before it (``_Fetched``).
+
+    The loader fetches ahead of the step that trains a batch (accelerate keeps one batch in
+    hand to know the last one), so at a commit the batch after the consumed ones has
+    already been collated. A commit records the state as it was just before that collate
+    call, which is the state a resume, whose first collate call is that batch's, starts from.
+    """
+
+    def __init__(self, objects: Mapping[str, Stateful]) -> None:
+        #: The recorded objects the collator is or calls through (``extra`` entries).
+        self.objects = dict(objects)
+        self.calls = 0
+        self._before: dict[int, _Fetched] = {}
+        #: A mid-epoch resume: the RNGs to load before its first collate call, and after it.
+        self._resume: tuple[dict[str, Any], dict[str, Any]] | None = None
+        self._mark: dict[str, Any] = {}
+
+    def begin_epoch(self, batches: int) -> None:
+        """An epoch begins after ``batches`` batches (skipped by the trainer on a resume)."""
+        self.calls, self._before = batches, {}
+
+    def resume(self, before: dict[str, Any], after: dict[str, Any]) -> None:
+        self._resume = (before, after)
+
+    def collate(self, inner: Callable[[Any], Any], features: Any) -> Any:
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            GlobalRng().load_state_dict(resume[0])
+        self._before[self.calls] = _Fetched(
+            GlobalRng().state_dict(), {n: copy.deepcopy(o.state_dict()) for n, o in self.objects.items()})
+        self.calls += 1
+        batch = inner(features)
+        if resume is not None:
+            # The uninterrupted run collated the next batches after the commit.
+            GlobalRng().load_state_dict(resume[1])
+        return batch
+
+    def at(self, batches: int) -> _Fetched | None:
+        """The state before the collate call of batch ``batches`` of the epoch, when that
+        call was already made (``None``: the live state is the one to record)."""
+        return self._before.get(batches)
+
+    def consumed(self, batches: int) -> None:
+        """Forget the states of batches training has consumed."""
+        for index in [i for i in self._before if i < batches]:
+            del self._before[index]
+
+    def mark(self) -> None:
+        """Keep the data-side objects' live states (an evaluation puts them back)."""
+        self._mark = {n: copy.deepcopy(o.state_dict()) for n, o in self.objects.items()}
+
+    def put_back(self) -> None:
+        for name, state in self._mark.items():
+            self.objects[name].load_state_dict(state)
+
+
+class _RecordedCollate:
+    """The train dataloader's ``collate_fn`` with ``_Fetches`` taking the state before each
+    call; it draws no random number itself."""
+
+    def __init__(self, inner: Callable[[Any], Any], fetches: _Fetches) -> None:
+        self.inner, self.fetches = inner, fetches
+
+    def __call__(self, features: Any) -> Any:
+        return self.fetches.collate(self.inner, features)
+
+
+class _AtFetch:
+    """A data-side ``extra`` object as the recorder sees it: its state at the data position."""
+
+    def __init__(self, name: str, obj: Stateful, fetches: _Fetches, position: _Position) -> None:
+        self.name, self.obj, self.fetches, self.position = name, obj, fetches, position
+
+    def state_dict(self) -> Any:
+        fetched = self.fetches.at(self.position.batches)
+        return self.obj.state_dict() if fetched is None else fetched.objects[self.name]
+
+    def load_state_dict(self, state: Any) -> None:
+        self.obj.load_state_dict(state)
+
+
 class _TrainerState:
     """The trainer's ``TrainerState`` as a ``Stateful``: recorded whole but ``log_history``
     (``checkpoint()`` writes it as ``trainer_state.json``); a restore loads only the
@@ -137,25 +272,32 @@ class _TrainerState:
 @dataclasses.dataclass
 class _Position:
     """Where the run is in its data: the epoch (-1: none begun), the batches consumed in it
-    out of ``batches_in_epoch``, and the live state of the dataloader's generators."""
+    out of ``batches_in_epoch``, the live state of the dataloader's generators, and the
+    global RNGs just before the next batch was collated (``fetch_rng``; ``None`` when it was
+    not collated yet)."""
 
     epoch: int = -1
     batches: int = 0
     batches_in_epoch: int = 0
     loader: object = None
+    fetches: _Fetches | None = None
+    fetch_rng: dict[str, Any] | None = None
 
     @property
     def mid_epoch(self) -> bool:
         return 0 < self.batches < self.batches_in_epoch
 
     def state_dict(self) -> dict[str, Any]:
+        fetched = None if self.fetches is None else self.fetches.at(self.batches)
         return {"epoch": self.epoch, "batches": self.batches, "batches_in_epoch": self.batches_in_epoch,
-                "generators": _generator_states(self.loader)}
+                "generators": _generator_states(self.loader),
+                "fetch_rng": None if fetched is None else fetched.rng}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
         _load_generators(self.loader, state["generators"])
+        self.fetch_rng = state.get("fetch_rng")  # absent in versions recorded before it was kept
 
 
 class _ModelConfig:
@@ -198,8 +340,10 @@ class RewindCallback(TrainerCallback):
     ``run``: the run's address, or its id (backends from the environment, as ``Recorder``).
     ``every``: commit every that many optimizer steps (and at the last). ``extra``: more
     ``Stateful`` objects to record (their names must differ from ``model``, ``optimizer``,
-    ``scheduler``, ``sampler``, ``rng``, ``trainer``, ``data``, ``epoch_start``, ``hf_config``).
-    ``snapshots`` and ``settings`` are passed to the ``Recorder``.
+    ``scheduler``, ``sampler``, ``rng``, ``trainer``, ``data``, ``epoch_start``, ``hf_config``);
+    one that is the trainer's data collator, or the object whose method it is, is recorded
+    at the data position (module docs). ``snapshots`` and ``settings`` are passed to the
+    ``Recorder``.
     """
 
     def __init__(
@@ -226,9 +370,16 @@ class RewindCallback(TrainerCallback):
         self._trainer = _TrainerState()
         self._position = _Position()
         self._epoch_start = _EpochStart()
+        #: The trainer's arguments (``on_init_end``): ``checkpoint()`` reads where the run ends.
+        self._args: TrainingArguments | None = None
+        #: The train dataloader's collate calls (``None``: its collator runs in workers).
+        self._fetches: _Fetches | None = None
         #: The newest version rebuilt by ``checkpoint()``, and the directory written from it.
         self._rebuilt: tuple[RebuiltState, ReplayReport] | None = None
         self._resume_dir: Path | None = None
+        #: A finished run started again: its recorded step, and the step ``train()`` is told
+        #: (the end of its last epoch, so the trainer enters no epoch).
+        self._finished: tuple[int, int] | None = None
         #: A mid-epoch resume: the epoch's starting RNGs go back when it begins again, then
         #: the commit's RNGs (these) before its first resumed step.
         self._resume_epoch = False
@@ -251,15 +402,20 @@ class RewindCallback(TrainerCallback):
     def checkpoint(self) -> str | None:
         """The directory to pass as ``train(resume_from_checkpoint=...)``: ``None`` when the
         run has recorded nothing yet. Rebuilds the newest version (the one training will
-        continue from) and writes its trainer state and weights there."""
+        continue from) and writes its trainer state and weights there. For a run that has
+        reached its last step, ``train()`` then trains nothing."""
         try:
             rebuilt, report = replay(self.address)
         except RunNotFoundError:
             return None
-        trees = recorded_trees(rebuilt, ["trainer", "model"])
+        trees = recorded_trees(rebuilt, ["trainer", "model", "data"])
         self._remove_resume_dir()
         path = Path(tempfile.mkdtemp(prefix="rewind-resume-"))
-        TrainerState(**{**trees["trainer"], "log_history": []}).save_to_json(str(path / TRAINER_STATE_FILE))
+        trainer = {**trees["trainer"], "log_history": []}
+        self._finished = self._finish(trainer, int(trees["data"]["batches_in_epoch"]))
+        if self._finished is not None:
+            trainer["global_step"] = self._finished[1]
+        TrainerState(**trainer).save_to_json(str(path / TRAINER_STATE_FILE))
         # A tied weight is one tensor under two names, which safetensors refuses to store:
         # the second name gets a copy, so the Trainer finds every key it expects.
         weights: dict[str, torch.Tensor] = {}
@@ -271,7 +427,25 @@ class RewindCallback(TrainerCallback):
         self._rebuilt, self._resume_dir = (rebuilt, report), path
         return str(path)
 
+    def _finish(self, trainer: Mapping[str, Any], batches_in_epoch: int) -> tuple[int, int] | None:
+        """For a run at or past its last step: its step, and the step at the end of the epoch
+        it ended in (the trainer resumes at an epoch's end without training: resumed at the
+        step itself, mid-epoch, it would train one more step before it stops)."""
+        step, args = int(trainer["global_step"]), self._args
+        if args is None or batches_in_epoch < 1:
+            return None
+        last = args.max_steps if args.max_steps > 0 else int(trainer["max_steps"])
+        if step < last:
+            return None
+        # The trainer's own count of optimizer steps in an epoch.
+        per_epoch = max(math.ceil(batches_in_epoch / args.gradient_accumulation_steps), 1)
+        return step, math.ceil(step / per_epoch) * per_epoch
+
     # ------------------------------------------------------------------ trainer events
+    def on_init_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+                    **kwargs: Any) -> None:
+        self._args = args
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         if args.world_size > 1:
@@ -289,51 +463,86 @@ class RewindCallback(TrainerCallback):
         if isinstance(optimizer, AcceleratedOptimizer):
             optimizer = optimizer.optimizer  # the torch optimizer: its step is the one replayed
         self._trainer.state = state
-        self._position = _Position(batches_in_epoch=batches_in_epoch, loader=loader)
+        self._fetches = _record_collate(loader, self._extra)
+        self._position = _Position(batches_in_epoch=batches_in_epoch, loader=loader, fetches=self._fetches)
         self._epoch_start = _EpochStart()
         rebuilt, self._rebuilt = self._rebuilt, None
+        finished, self._finished = (self._finished, None) if rebuilt is not None else (None, None)
         begins_at = state.global_step  # where train() resumes (the restore sets the recorded one)
         own: dict[str, Stateful] = {"trainer": self._trainer, "data": self._position,
                                     "epoch_start": self._epoch_start}
         # A run whose versions hold no config (recorded before the callback kept one) resumes.
         if rebuilt is None or HF_CONFIG in rebuilt[0].small.states:
             own[HF_CONFIG] = _ModelConfig(model)
+        extra = dict(self._extra)
+        if self._fetches is not None:
+            extra.update({n: _AtFetch(n, o, self._fetches, self._position)
+                          for n, o in self._fetches.objects.items()})
         self._recorder = Recorder(
             self.address, model=model, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler"),
-            extra={**own, **self._extra},
+            extra={**own, **extra},
             snapshots=self._snapshots, settings=self._settings,
             restorer=None if rebuilt is None else (lambda _log: rebuilt),
         )
         result = self._recorder.restore()
         self._remove_resume_dir()
-        if (result.step or 0) != begins_at:
-            self._close()
-            if result.fresh:
-                raise RewindError(f"run {self.address.run_id!r} has recorded nothing, but train() resumes "
-                                  f"at step {begins_at}: a Rewind run starts at step 0")
-            raise RewindError(f"run {self.address.run_id!r} is at step {result.step}, but train() begins at "
-                              f"step {begins_at}: resume with "
-                              "trainer.train(resume_from_checkpoint=callback.checkpoint())")
-        self._last_step = begins_at
-        self._resume_epoch = self._position.mid_epoch
+        self._check_resume(result.step, result.fresh, begins_at, finished)
+        self._last_step = state.global_step
+        if finished is not None:
+            # The trainer counts the steps this train() made from the step it was told.
+            state.global_step = finished[1]
+            self._finished = finished
+        self._resume_epoch = self._position.mid_epoch and finished is None
         if self._resume_epoch and args.ignore_data_skip:
             self._close()
             raise ConfigError("RewindCallback: ignore_data_skip=True would train the batches of the "
                               f"resumed epoch again (run {self.address.run_id!r} stopped mid-epoch)")
         self._mark = GlobalRng().state_dict()
         self._commit_rng = self._mark if self._resume_epoch else None
+        if self._resume_epoch and self._fetches is not None and self._position.fetch_rng is not None:
+            # The first collate call of the resumed epoch is the batch collated before the
+            # commit: it starts from the RNGs recorded then, and the commit's follow it.
+            self._fetches.resume(self._position.fetch_rng, self._mark)
+            self._commit_rng = None
+        if self._fetches is not None:
+            self._fetches.mark()
+
+    def _check_resume(self, restored: int | None, fresh: bool, begins_at: int,
+                      finished: tuple[int, int] | None) -> None:
+        """Refuse a ``train()`` that does not begin where the run is."""
+        expected = (restored or 0) if finished is None else finished[1]
+        if begins_at == expected and (finished is None or restored == finished[0]):
+            return
+        self._close()
+        if fresh:
+            raise RewindError(f"run {self.address.run_id!r} has recorded nothing, but train() resumes "
+                              f"at step {begins_at}: a Rewind run starts at step 0")
+        raise RewindError(f"run {self.address.run_id!r} is at step {restored}, but train() begins at "
+                          f"step {begins_at}: resume with "
+                          "trainer.train(resume_from_checkpoint=callback.checkpoint())")
 
     def on_epoch_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
         pos = self._position
+        if self._recorder is not None and state.global_step >= state.max_steps:
+            # A finished run the trainer would train further (checkpoint() did not see the
+            # trainer's arguments): refused, not one more step.
+            self._close()
+            raise RewindError(f"run {self.address.run_id!r} is finished (step {state.global_step} of "
+                              f"{state.max_steps}) but the trainer is about to train another epoch: pass "
+                              "the callback as Trainer(callbacks=[...]) so checkpoint() sees its arguments")
         if self._resume_epoch:
             # The epoch the run was killed in begins again: the same order is drawn from the
             # same states, and the trainer skips the batches consumed.
             self._resume_epoch = False
             GlobalRng().load_state_dict(self._epoch_start.rng)
             _load_generators(pos.loader, self._epoch_start.generators)
+            if self._fetches is not None:
+                self._fetches.begin_epoch(pos.batches)
             return
         pos.epoch, pos.batches = pos.epoch + 1, 0
+        if self._fetches is not None:
+            self._fetches.begin_epoch(0)
         self._epoch_start.rng = GlobalRng().state_dict()
         self._epoch_start.generators = _generator_states(pos.loader)
 
@@ -353,16 +562,23 @@ class RewindCallback(TrainerCallback):
         if state.global_step % self._every == 0 or state.global_step >= state.max_steps:
             self._commit(state.global_step)
         self._mark = GlobalRng().state_dict()
+        if self._fetches is not None:
+            self._fetches.consumed(self._position.batches)
+            self._fetches.mark()
 
     def on_evaluate(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         if self._recorder is not None and self._mark is not None:
             GlobalRng().load_state_dict(self._mark)
+            if self._fetches is not None:
+                self._fetches.put_back()  # the evaluation's dataloader calls the same collator
 
     def on_train_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                      **kwargs: Any) -> None:
         if self._recorder is None:
             return
+        if self._finished is not None:
+            state.global_step, self._finished = self._finished[0], None
         if state.global_step != self._last_step:
             self._commit(state.global_step)
         self._close()
@@ -382,3 +598,27 @@ class RewindCallback(TrainerCallback):
         if self._resume_dir is not None:
             shutil.rmtree(self._resume_dir, ignore_errors=True)
             self._resume_dir = None
+
+
+def _record_collate(loader: Any, extra: Mapping[str, Stateful]) -> _Fetches | None:
+    """Make the train dataloader's collate calls go through ``_Fetches`` (``None`` when its
+    collator runs in worker processes, where the calls cannot be seen)."""
+    # accelerate's DataLoaderShard iterates the torch DataLoader it holds.
+    base = getattr(loader, "base_dataloader", loader)
+    collate = getattr(base, "collate_fn", None)
+    if not callable(collate):
+        return None
+    if isinstance(collate, _RecordedCollate):
+        collate = collate.inner
+    chain = _collator_objects(collate)
+    objects = {n: o for n, o in extra.items() if any(o is c for c in chain)}
+    workers = getattr(base, "num_workers", 0)
+    if workers and objects:
+        raise ConfigError(f"RewindCallback(extra=...): {next(iter(objects))!r} is the data collator, which "
+                          f"runs in {workers} dataloader worker processes, where its state cannot be "
+                          "recorded: train with dataloader_num_workers=0")
+    if workers:
+        return None
+    fetches = _Fetches(objects)
+    base.collate_fn = _RecordedCollate(collate, fetches)
+    return fetches

@@ -24,6 +24,9 @@ What a commit records, at ``on_train_batch_end`` every ``every_n_steps`` optimiz
   training consumed. A resume creates the iterator from that state again (the same
   shuffle) and loads the consumed batches again (workers and their RNGs stay in step), then
   puts the RNGs back as they were at the commit and continues on the exact next batch.
+  Recording changes nothing: a recorded fit is bit-equal to the same fit with the bare
+  ``DataLoader`` and no callback (``ResumableLoader`` takes back the seed drawn by the
+  iterator Lightning creates only to check the loader is iterable).
 
 A batch is not a commit point when the state after its ``on_train_batch_end`` is not all
 the state: while gradients accumulate (they live in ``.grad``), when validation or the end
@@ -49,12 +52,15 @@ restart.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 
+from eventlog import statecodec
 from eventlog.backends import RunAddress
 from eventlog.capture import GlobalRng, Stateful
 from eventlog.errors import ConfigError, StateMismatchError
@@ -63,6 +69,16 @@ from rewind.recorder import Recorder
 from rewind.results import RestoreResult
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
+
+_log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class _Unused:
+    """An iterator created and not yet advanced: the random state before and after it."""
+
+    before: dict[str, Any]
+    after: bytes
 
 
 class ResumableLoader:
@@ -73,6 +89,12 @@ class ResumableLoader:
     shuffle and loads the batches training had consumed again before yielding the next one.
     Attributes it does not define (``sampler``, ``batch_size``, ``dataset``) are the wrapped
     loader's.
+
+    It changes nothing in the fit: Lightning calls ``iter()`` once on a loader that is not a
+    ``DataLoader`` (to check it is iterable) and drops the iterator, while creating a
+    ``DataLoader`` iterator draws a seed from the RNGs. The draws of an iterator that was
+    never advanced are taken back when the next one is created, if no random number was
+    drawn in between, so the fit draws what it draws with the bare ``DataLoader``.
     """
 
     def __init__(self, loader: Iterable[Any]) -> None:
@@ -84,6 +106,7 @@ class ResumableLoader:
         self._sampler_epoch: int | None = None
         self._fetched = 0
         self._pending: dict[str, Any] | None = None
+        self._unused: _Unused | None = None
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -94,6 +117,7 @@ class ResumableLoader:
         return getattr(self.loader, name)
 
     def __iter__(self) -> Iterator[Any]:
+        self._take_back_unused()
         state, self._pending = self._pending, None
         if state is not None:
             # Lightning sets the sampler's epoch after this iter() on a resume: set it first.
@@ -101,6 +125,7 @@ class ResumableLoader:
             self._rng.load_state_dict(state["epoch_rng"])
         self._epoch_rng = self._rng.state_dict()
         self._sampler_epoch = _sampler_epoch(self.loader)
+        before = self._random_state()
         inner = iter(self.loader)
         self._fetched = 0
         if state is not None:
@@ -108,12 +133,37 @@ class ResumableLoader:
             for _ in range(state["fetched"]):
                 next(inner)
             self._fetched = state["fetched"]
-        return self._batches(inner)
+        unused = self._unused = _Unused(before, statecodec.pack(self._random_state()))
+        return self._batches(inner, unused)
 
-    def _batches(self, inner: Iterator[Any]) -> Iterator[Any]:
+    def _batches(self, inner: Iterator[Any], unused: _Unused) -> Iterator[Any]:
+        if self._unused is unused:
+            self._unused = None  # advanced: its draws are the fit's
         for batch in inner:
             self._fetched += 1
             yield batch
+
+    def _random_state(self) -> dict[str, Any]:
+        """The global RNGs, and the wrapped loader's own generator (its iterator's seed)."""
+        state: dict[str, Any] = {"global": self._rng.state_dict()}
+        generator = getattr(self.loader, "generator", None)
+        if isinstance(generator, torch.Generator):
+            state["loader"] = generator.get_state()
+        return state
+
+    def _take_back_unused(self) -> None:
+        """Undo the draws of the previous iterator if it was never advanced (module docs)."""
+        unused, self._unused = self._unused, None
+        if unused is None:
+            return
+        if statecodec.pack(self._random_state()) != unused.after:
+            _log.warning("ResumableLoader: an iterator that was never used drew random numbers that "
+                         "cannot be taken back (more were drawn since): this fit draws one more seed "
+                         "than the same fit with the bare loader")
+            return
+        self._rng.load_state_dict(unused.before["global"])
+        if "loader" in unused.before:
+            self.loader.generator.set_state(unused.before["loader"])  # type: ignore[attr-defined]
 
     def check_consumed(self, batches: int) -> None:
         """Refuse to record a position when batches were loaded ahead of training (their

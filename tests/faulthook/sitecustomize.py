@@ -70,14 +70,14 @@ def _counted(append: Callable[..., None]) -> Callable[..., None]:
     return wrapped
 
 
-def _patch_recorder(recorder: ModuleType) -> None:
-    claim = recorder.Recorder._claim_version
+def _patch_pipeline(pipeline: ModuleType) -> None:
+    claim = pipeline.CommitPipeline.claim_version
 
     def wrapped(self: Any, base: int, version: int) -> None:
         claim(self, base, version)
         _committing.version = version  # its transaction follows, on this thread
 
-    recorder.Recorder._claim_version = wrapped
+    pipeline.CommitPipeline.claim_version = wrapped
 
 
 def _patch_store(store: ModuleType) -> None:
@@ -127,7 +127,7 @@ def _patch_service(service: ModuleType) -> None:
 
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
     "eventlog.ports": _patch_ports,
-    "rewind.recorder": _patch_recorder,
+    "eventlog.commit.pipeline": _patch_pipeline,
     "snapshotter.store": _patch_store,
     "snapshotter.service": _patch_service,
 }

@@ -1,0 +1,2 @@
+"""The commit pipeline: how a state becomes a sealed version in the log (``pipeline``), and how
+every event is put into a log transaction (``append``)."""
