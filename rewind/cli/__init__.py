@@ -51,12 +51,12 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import Annotated
 
 import typer
 
 from eventlog import RewindError
+from eventlog.version import REWIND_VERSION
 from rewind.allocator import tune_for_replay
 from rewind.cli.commands_audit import diff, followers, history, history_lines, plot
 from rewind.cli.commands_bisect import bisect_cmd
@@ -87,17 +87,9 @@ for _info in app.registered_commands:  # each command's help reflowed, as the ap
         _info.help = help_text(_info.callback.__doc__ or "")
 
 
-def version_text() -> str:
-    """``rewind VERSION``, the version of the installed distribution."""
-    try:
-        return f"rewind {metadata.version('rewind')}"
-    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
-        return "rewind (not installed: no version)"
-
-
 def _print_version(value: bool) -> None:
     if value:
-        print(version_text())
+        print(f"rewind {REWIND_VERSION}")  # the installed distribution's (its package metadata)
         raise typer.Exit(OK)
 
 
