@@ -276,7 +276,8 @@ class Recorder:
         if world:
             self._refuse = (f"run {self.run_id!r} was recorded by {world} ranks: a Recorder without group= "
                             "restores it (full tensors, rank 0's other states) but cannot record into it; "
-                            "continue it with group= at a world size that divides its shard count")
+                            f"continue it with group= at any world size up to its shard count "
+                            f"({self._log.shard_count()})")
         if self._steps is not None:
             self._steps.take()  # steps taken before the restore led to another state
         # The restored state becomes the XOR base of the next commit (in host buffers, as

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventlog import ConfigError, RunAddress, Target, TruncatedHistoryError
+from eventlog import ConfigError, RewindError, RunAddress, StaleVersionError, Target, TruncatedHistoryError
 from eventlog.fold.engine import index_control, rebuild
 from replayer.replay import replay
 from rewind import Snapshots, every_versions, keep_last
@@ -74,6 +74,24 @@ def test_async_commits_queue_up_and_are_all_durable_after_flush(tmp_path: Path) 
         assert [f.result().version for f in futures] == list(range(1, 9))
     with _address(tmp_path).open_log() as log:
         assert sorted(index_control(log).seals) == list(range(1, 9))
+
+
+def test_after_a_failed_commit_every_commit_is_refused_until_a_new_recorder_restores(tmp_path: Path) -> None:
+    """What the README says of a failed commit: the recorder stops; every later ``commit()``
+    raises a ``RewindError`` naming that failure; a new recorder restores and goes on."""
+    model = torch.nn.Linear(2, 1)
+    with Recorder(_address(tmp_path), model, rng=False) as rec:
+        rec.commit(0, wait=True)
+        with pytest.raises(StaleVersionError):  # the run is at version 1, not 0
+            rec.commit(1, base_version=0, wait=True)
+        stopped = (r"^recorder stopped after a failed commit \(StaleVersionError: stale version: .*\); "
+                   r"create a new Recorder and restore\(\)$")
+        for step in (1, 2):
+            with pytest.raises(RewindError, match=stopped):
+                rec.commit(step)
+    with Recorder(_address(tmp_path), model, rng=False) as rec:
+        assert rec.restore().version == 1
+        assert rec.commit(1, wait=True).result().version == 2
 
 
 def test_restore_of_a_new_run_is_fresh(tmp_path: Path) -> None:
