@@ -146,13 +146,13 @@ def test_the_multirank_doc_agrees_on_world_sizes() -> None:
     assert "divides the run's shard count" not in " ".join(README.read_text(encoding="utf-8").split())
 
 
+@pytest.mark.skipif(shutil.which("git") is None or not (README.parent / ".git").exists(),
+                    reason="not a git checkout")
 def test_what_the_demo_writes_is_ignored_by_git(tmp_path: Path) -> None:
     """The folders ``rewind demo`` writes where it runs (and the README trainer's store)."""
     from rewind.demo import default_run_dir
 
     root = README.parent
-    if shutil.which("git") is None or not (root / ".git").exists():
-        pytest.skip("not a git checkout")
     paths = [str(default_run_dir(log) / "recorded" / "rewind.db") for log in (None, "kafka://h:9092")]
     paths.append("snapshots/my-run/v0000000010-t1-abcdef/manifest.json")
     out = subprocess.run(["git", "check-ignore", "--no-index", *paths], cwd=root, capture_output=True,
@@ -160,6 +160,13 @@ def test_what_the_demo_writes_is_ignored_by_git(tmp_path: Path) -> None:
     assert out.stdout.splitlines() == paths, out.stdout + out.stderr
 
 
+def _cuda_wheel() -> bool:
+    from importlib import metadata
+
+    return any((d.metadata["Name"] or "").startswith("nvidia-") for d in metadata.distributions())
+
+
+@pytest.mark.skipif(not _cuda_wheel(), reason="torch is not PyPI's default (CUDA) wheel here")
 def test_the_install_size_the_readme_states_is_what_is_installed() -> None:
     """The README's figure for a fresh venv with the demo extra, within 10%: the sizes of the
     files of every distribution ``rewind[demo]`` needs, as installed here."""
@@ -167,8 +174,6 @@ def test_the_install_size_the_readme_states_is_what_is_installed() -> None:
 
     from packaging.requirements import Requirement
 
-    if not any((d.metadata["Name"] or "").startswith("nvidia-") for d in metadata.distributions()):
-        pytest.skip("torch is not PyPI's default (CUDA) wheel here")
     stated = re.search(r"Install size: about ([\d.]+) GB", README.read_text(encoding="utf-8"))
     assert stated, "the README states the install size"
     seen: set[str] = set()
