@@ -37,7 +37,7 @@ class RunAddress:
             raise ConfigError(f"{run_dir} is the run's database: pass the directory that holds it "
                               f"(--run-dir {Path(run_dir).parent})")
         db = Path(run_dir).resolve() / DB_NAME
-        url = f"sqlite://{db}"
+        url = run_dir_url(run_dir)
         if not db.exists():
             raise ConfigError(f"no Rewind run in {run_dir}: {db} does not exist")
         if run_id is None:
@@ -65,6 +65,11 @@ class RunAddress:
     def open_coordinator(self) -> Coordinator:
         """Open the coordinator."""
         return open_coordinator(self.coord_url, read_only=self.read_only)
+
+
+def run_dir_url(run_dir: str | os.PathLike[str]) -> str:
+    """The log URL of the embedded run directory ``run_dir``: its database file."""
+    return f"sqlite://{Path(run_dir).resolve() / DB_NAME}"
 
 
 def _scheme(url: str) -> str:
@@ -102,7 +107,7 @@ def open_coordinator(url: str, *, read_only: bool = False) -> Coordinator:
 
         return EmbeddedCoordinator(url, read_only=read_only)
     if scheme in ("redis", "rediss"):
-        from eventlog.redis import RedisCoordinator
+        from eventlog.redis.coordinator import RedisCoordinator
 
         return RedisCoordinator(url)
     raise ConfigError(f"unknown coordinator {scheme!r} in {url!r}; use sqlite:// or redis://")
@@ -120,3 +125,15 @@ def list_runs(url: str) -> list[str]:
 
         return kafka_runs(url)
     raise ConfigError(f"unknown log backend {scheme!r} in {url!r}")
+
+
+def store_damage(url: str) -> list[str]:
+    """Damage in the storage of the log at ``url`` that reading its records does not meet
+    (``eventlog.embedded.check``: its tables, indexes and fencing epochs), each a line naming
+    the file. Empty for Kafka: the broker keeps that state, and its fencing epochs."""
+    if check_log_url(url) != "sqlite":
+        return []
+    from eventlog.embedded import path_from_url
+    from eventlog.embedded.check import store_damage as embedded_damage
+
+    return embedded_damage(path_from_url(url))

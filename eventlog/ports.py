@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from eventlog.errors import ConfigError
-from eventlog.events import CONTROL_SHARD
+from eventlog.events import CONTROL_SHARD, WEIGHTS_SHARD
 from eventlog.settings import current
 
 CONTROL = CONTROL_SHARD
+#: The weights stream's partition: a derived view beside the log, never folded by a replay.
+WEIGHTS = WEIGHTS_SHARD
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,11 @@ class EventLog(abc.ABC):
     def create(self, shards: int) -> None:
         """Create the run's partitions (control + ``shards``); a no-op if they exist."""
 
+    def create_weights(self) -> None:
+        """Create the run's weights-stream partition (``WEIGHTS``) if missing; the run must
+        exist. A backend without one raises ``ConfigError``."""
+        raise ConfigError(f"the log at {self.url} cannot hold a weights stream")
+
     @abc.abstractmethod
     def shard_count(self) -> int | None:
         """Number of tensor shards, or ``None`` if the run does not exist in this log."""
@@ -162,6 +169,11 @@ class EventLog(abc.ABC):
         them (a damaged index: asked after a read skipped those offsets). Only a log with an
         index of its own can say yes."""
         return False
+
+    def writer_epochs(self) -> dict[str, int] | None:
+        """The fencing epoch the store holds for each writer id of the run (the highest, where
+        a damaged store holds several); ``None`` where a server keeps them (Kafka's broker)."""
+        return None
 
     @abc.abstractmethod
     def truncate_before(self, partition: int, offset: int) -> None:
@@ -285,6 +297,11 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def lease_token(self, name: str) -> int:
         """The newest fencing token issued for ``name`` (0: never)."""
+
+    @abc.abstractmethod
+    def lease_holder(self, name: str) -> tuple[str, float] | None:
+        """Who holds lease ``name`` and in how many seconds it expires unless renewed;
+        ``None`` if it is free (released, expired, or never taken)."""
 
     @abc.abstractmethod
     def report_follower(self, run: str, follower: str, version: int) -> None:

@@ -2,10 +2,16 @@
 
 Every version's seal holds its shard digests and its small-state digest, so two runs are
 compared without replaying them: their versions are aligned by step, and a binary search
-over the seals finds the first step whose state digests differ. Only then is anything
+over the seals finds the first step whose states differ. Equal digests mean equal states.
+Where only the small-state digests differ, the small states are compared as decoded values
+(``replayer.statediff``): one read of each run's control partition gives each version's
+small states, never a tensor, and a key order or a measurement (a wall-clock time, a
+compute count; ``strict`` counts them) does not make them differ. Only then is anything
 replayed: in each run, the version before that step (the last one both runs agree on, from
-the newest snapshot at or before it) and, on from it, the differing version itself. The
-report names:
+the newest snapshot at or before it) and, on from it, the differing version itself. A
+multi-rank version is compared gathered (``replayer.globalview``): whole tensors under
+their plain names, whatever world size recorded it, and only the current ranks' small
+states. The report names:
 
 * the shards and tensors that differ first, with the count of differing elements and the
   largest absolute difference;
@@ -14,7 +20,8 @@ report names:
 * for a predictive version, whether the logged gradients already differed (a data or
   forward/backward difference) or only the optimizer's result did (an optimizer, kernel or
   hyperparameter difference); the recorded prediction digests tell the two apart;
-* the hyperparameters and the environment fingerprint fields (schema v4) that differ.
+* the hyperparameters and the environment fingerprint fields (schema v4) that differ;
+* apart, the measurements that differ (they do not make the runs differ unless ``strict``).
 """
 
 from __future__ import annotations
@@ -37,19 +44,21 @@ from eventlog.fold.engine import (
     FoldStart,
     RebuiltState,
     SealInfo,
-    SmallStates,
     events,
+    fold_control,
     index_control,
     rebuild,
 )
 from eventlog.optimstep import unpack_hyperparams
 from eventlog.ports import EventLog
+from replayer.assemble import LAYOUT, rank_of, recorded_world
 from replayer.audit import fingerprint_before
+from replayer.globalview import GlobalView, gathered, global_view, live_states, owner
 from replayer.replay import replay
+from replayer.statediff import MAX_PATHS, grouped, short_repr, states_diff, tree_diff
+from replayer.stepcompare import StepComparison
 
 IDENTICAL, DIVERGED, FROM_START = "identical", "diverged", "differ-from-start"
-#: Paths listed per differing small state; the rest are counted.
-MAX_PATHS = 12
 
 
 @dataclass(frozen=True)
@@ -76,9 +85,13 @@ class StateDifference:
     name: str
     #: Its event type: RngAdvance, SamplerCursor, SchedulerStep or CustomState.
     kind: str
-    #: What differs inside it: ``path: A's -> B's``, or ``path: differs`` for big values.
+    #: What differs inside it: ``path: A's -> B's``, ``path: differs (N elements)`` for
+    #: arrays and tensors, or ``a[*].b (N values)`` for the same field of several list items.
     paths: list[str]
+    #: Paths not listed (``paths`` lists the first ``MAX_PATHS``).
     more: int = 0
+    #: Leaves that differ, in all.
+    total: int = 1
 
 
 @dataclass(frozen=True)
@@ -115,12 +128,24 @@ class BisectReport:
     previous_step: int | None = None
     previous_version_a: int | None = None
     previous_version_b: int | None = None
-    #: Common steps whose digests differ, in all.
+    #: Common steps whose states differ, in all.
     differing_steps: int = 0
+    #: Whether measurements count as differences (``replayer.statediff``).
+    strict: bool = False
+    #: Common steps whose states differ in their measurements only (not counted as differing).
+    measured_steps: int = 0
+    #: Common steps whose small states differ as bytes only (equal as values).
+    encoded_steps: int = 0
     shards: list[int] = field(default_factory=list)
     small_states_differ: bool = False
+    #: The world size of each run's differing version (0: one process recorded it).
+    world: list[int] = field(default_factory=list)
     tensors: list[TensorDifference] = field(default_factory=list)
     small_states: list[StateDifference] = field(default_factory=list)
+    #: The measurements that differ: at the differing step, or for identical runs at the
+    #: newest step where they do.
+    measurements: list[StateDifference] = field(default_factory=list)
+    measurements_step: int | None = None
     optimizer_step: StepFinding | None = None
     hyperparameters: list[str] = field(default_factory=list)
     environment: dict[str, list[Any]] = field(default_factory=dict)
@@ -132,7 +157,7 @@ class BisectReport:
 
     @property
     def identical(self) -> bool:
-        """True when every common step's state digest is equal."""
+        """True when every common step holds equal states (measurements apart, unless strict)."""
         return self.status == IDENTICAL
 
     def to_json(self) -> dict[str, Any]:
@@ -143,11 +168,12 @@ class BisectReport:
 Progress = Callable[[str], None]
 
 
-def bisect(a: RunAddress, b: RunAddress, *, workers: int = 2, on_phase: Progress | None = None,
-           on_bytes: Callable[[int], None] | None = None) -> BisectReport:
+def bisect(a: RunAddress, b: RunAddress, *, workers: int = 2, strict: bool = False,
+           on_phase: Progress | None = None, on_bytes: Callable[[int], None] | None = None) -> BisectReport:
     """Compare two runs by their seals, then replay only the first differing version and its
-    predecessor in each (see the module docstring). ``on_phase`` is told each phase of the
-    work, ``on_bytes`` each record a replay reads."""
+    predecessor in each (see the module docstring). ``strict``: measurements (wall-clock
+    times, compute counts; ``replayer.statediff``) count as differences. ``on_phase`` is
+    told each phase of the work, ``on_bytes`` each record a replay reads."""
     phase = on_phase or (lambda _text: None)
     t0 = time.perf_counter()
     phase("reading the seals")
@@ -157,18 +183,22 @@ def bisect(a: RunAddress, b: RunAddress, *, workers: int = 2, on_phase: Progress
     if not steps:
         raise ConfigError(f"runs {a.run_id!r} and {b.run_id!r} share no step: {_span(by_step_a)} vs "
                           f"{_span(by_step_b)}; bisect aligns versions by step")
-    report = BisectReport(_name(a), _name(b), IDENTICAL, len(steps), len(idx_a.seals), len(idx_b.seals))
+    report = BisectReport(_name(a), _name(b), IDENTICAL, len(steps), len(idx_a.seals), len(idx_b.seals),
+                          strict=strict)
+    compare = StepComparison((a, b), (idx_a, idx_b), [(by_step_a[s], by_step_b[s]) for s in steps],
+                             strict=strict, on_phase=phase)
 
     def differs(i: int) -> bool:
         report.seals_compared += 1
-        return by_step_a[steps[i]].seal.state_digest != by_step_b[steps[i]].seal.state_digest
+        return compare.differs(i)
 
     first = _first_true(len(steps), differs)
     # The search assumes a divergence persists; a later difference that went away again
     # (or one before the found step, which that assumption hides) is counted here.
-    differing = [i for i, s in enumerate(steps)
-                 if by_step_a[s].seal.state_digest != by_step_b[s].seal.state_digest]
-    report.differing_steps = len(differing)
+    differing = [i for i in range(len(steps)) if compare.differs(i)]
+    measured = [i for i in range(len(steps)) if compare.measured_only(i)]
+    report.differing_steps, report.measured_steps = len(differing), len(measured)
+    report.encoded_steps = sum(compare.encoding_only(i) for i in range(len(steps)))
     if differing and (first is None or differing[0] < first):
         report.notes.append(f"the runs differ at step {steps[differing[0]]} but agree again later: "
                             "the difference was undone")
@@ -179,6 +209,9 @@ def bisect(a: RunAddress, b: RunAddress, *, workers: int = 2, on_phase: Progress
         report.notes.append(f"versions at steps only one run has are not compared ({a.run_id}: "
                             f"{extra_a}, {b.run_id}: {extra_b})")
     if first is None:
+        if measured:
+            _measurements_at(report, (a, b), (idx_a, idx_b), by_step_a[steps[measured[-1]]],
+                             by_step_b[steps[measured[-1]]])
         return report
     sa, sb = by_step_a[steps[first]], by_step_b[steps[first]]
     report.status = DIVERGED if first > 0 else FROM_START
@@ -188,17 +221,11 @@ def bisect(a: RunAddress, b: RunAddress, *, workers: int = 2, on_phase: Progress
         prev_a, prev_b = by_step_a[steps[first - 1]], by_step_b[steps[first - 1]]
         report.previous_step = steps[first - 1]
         report.previous_version_a, report.previous_version_b = prev_a.version, prev_b.version
-    else:
-        report.notes.append("the runs differ from their first common version: a different "
-                            "initialization or config")
     report.shards = [i for i, (x, y) in enumerate(zip(sa.seal.shard_digests, sb.seal.shard_digests,
                                                       strict=False)) if x != y]
     if len(sa.seal.shard_digests) != len(sb.seal.shard_digests):
         report.notes.append(f"the runs have {len(sa.seal.shard_digests)} and "
                             f"{len(sb.seal.shard_digests)} tensor shards")
-    report.small_states_differ = sa.seal.small_digest != sb.seal.small_digest
-    layout_a, layout_b = idx_a.layout_at(sa.version), idx_b.layout_at(sb.version)
-    report.layout = _layout_differences(layout_a, layout_b)
     env_a, env_b = fingerprint_before(idx_a, sa.offset), fingerprint_before(idx_b, sb.offset)
     if env_a is not None and env_b is not None:
         report.environment = {k: list(v) for k, v in env_a.differences(env_b).items()}
@@ -212,12 +239,57 @@ def bisect(a: RunAddress, b: RunAddress, *, workers: int = 2, on_phase: Progress
                        b.run_id if a.run_id != b.run_id else "b": side_b.replayed}
     report.seconds["replay"] = time.perf_counter() - t1
     phase("comparing")
-    report.tensors = _tensor_differences(side_a.state, side_b.state)
-    report.small_states = _small_differences(side_a.state.small, side_b.state.small)
-    report.optimizer_step = _step_finding(side_a, side_b, bool(report.tensors), report)
-    report.hyperparameters = _hyperparameters(side_a, side_b)
+    _compare_sides(report, side_a, side_b, idx_a.layout_at(sa.version), idx_b.layout_at(sb.version))
+    if first == 0:
+        report.notes.append("the runs differ from their first common version: " + (
+            "a different initialization or config" if report.tensors or report.layout
+            else "in small states only"))
     report.seconds["total"] = time.perf_counter() - t0
     return report
+
+
+def _compare_sides(report: BisectReport, side_a: _Side, side_b: _Side, layout_a: RunStarted,
+                   layout_b: RunStarted) -> None:
+    """Fill in what differs between the replayed versions, compared gathered."""
+    view_a, view_b = global_view(side_a.state), global_view(side_b.state)
+    report.world = [view_a.world, view_b.world]
+    report.layout = _layout_differences(layout_a, layout_b, view_a, view_b)
+    common = _common_ranks(view_a, view_b)
+    if view_a.world != view_b.world and common is not None:
+        ranks = ", ".join(map(str, range(common, max(view_a.world, view_b.world))))
+        more = "A" if view_a.world > view_b.world else "B"
+        report.notes.append(f"rank{'s' if ',' in ranks else ''} {ranks} only in {more}'s world: their own "
+                            "states are not compared")
+    report.tensors = _tensor_differences(view_a, view_b, common)
+    report.small_states, report.measurements = _small_differences(view_a, view_b, common, report.strict)
+    if report.measurements:
+        report.measurements_step = report.step
+    report.small_states_differ = bool(report.small_states)
+    side_a.grads, side_b.grads = gathered(side_a.grads, view_a), gathered(side_b.grads, view_b)
+    report.optimizer_step = _step_finding(side_a, side_b, bool(report.tensors), report)
+    report.hyperparameters = _hyperparameters(side_a, side_b, view_a, view_b)
+
+
+def _common_ranks(a: GlobalView, b: GlobalView) -> int | None:
+    """How many ranks' own states both versions hold (``None``: neither is multi-rank)."""
+    if not a.world and not b.world:
+        return None
+    return min(a.world or 1, b.world or 1)
+
+
+def _measurements_at(report: BisectReport, runs: tuple[RunAddress, RunAddress],
+                     idx: tuple[ControlIndex, ControlIndex], sa: SealInfo, sb: SealInfo) -> None:
+    """Name the measurements that differ at ``sa`` and ``sb`` (identical runs' newest step
+    that differs in them), from the control partitions alone."""
+    views = []
+    for address, index, info in zip(runs, idx, (sa, sb), strict=True):
+        with address.open_log() as log:
+            states = fold_control(log, index, info.version).states
+        names = {t.name for t in index.layout_at(info.version).tensors}
+        world = recorded_world(states, names)
+        views.append(GlobalView(world, {}, live_states(states, world), {}))
+    _, report.measurements = _small_differences(views[0], views[1], _common_ranks(*views), False)
+    report.measurements_step = sa.step
 
 
 def _first_true(n: int, pred: Callable[[int], bool]) -> int | None:
@@ -255,20 +327,35 @@ def _name(address: RunAddress) -> str:
     return f"{address.run_id} ({address.log_url})"
 
 
-def _layout_differences(a: RunStarted, b: RunStarted) -> list[str]:
+def _layout_differences(a: RunStarted, b: RunStarted, view_a: GlobalView, view_b: GlobalView) -> list[str]:
+    """How the versions' layouts differ; a multi-rank one's tensors as gathered."""
     out = []
+    if view_a.world != view_b.world:
+        out.append(f"world size: {view_a.world or 1} vs {view_b.world or 1}")
     for key in ("shard_count", "chunk_bytes", "torch_version", "device"):
         if getattr(a, key) != getattr(b, key):
             out.append(f"{key}: {getattr(a, key)} vs {getattr(b, key)}")
-    ta = {t.name: (t.dtype, tuple(t.shape)) for t in a.tensors}
-    tb = {t.name: (t.dtype, tuple(t.shape)) for t in b.tensors}
-    out += [f"tensor {n} only in A" for n in sorted(ta.keys() - tb.keys())]
-    out += [f"tensor {n} only in B" for n in sorted(tb.keys() - ta.keys())]
+    ta = {n: (t[0], t[1]) for n, t in view_a.tensors.items()}
+    tb = {n: (t[0], t[1]) for n, t in view_b.tensors.items()}
+    out += [f"tensor {n} only in A" for n in sorted(ta.keys() - tb.keys()) if _kept(n, view_b)]
+    out += [f"tensor {n} only in B" for n in sorted(tb.keys() - ta.keys()) if _kept(n, view_a)]
     out += [f"tensor {n}: {ta[n][0]}{list(ta[n][1])} vs {tb[n][0]}{list(tb[n][1])}"
             for n in sorted(ta.keys() & tb.keys()) if ta[n] != tb[n]]
-    if set(a.small_states) != set(b.small_states):
-        out.append(f"small states: {', '.join(a.small_states)} vs {', '.join(b.small_states)}")
+    names_a, names_b = _plain_names(view_a.small), _plain_names(view_b.small)
+    if names_a != names_b:
+        out.append(f"small states: {', '.join(sorted(names_a))} vs {', '.join(sorted(names_b))}")
     return out
+
+
+def _kept(name: str, other: GlobalView) -> bool:
+    """Whether ``name`` is compared with ``other``: not a rank's own beyond ``other``'s world."""
+    r = owner(name)
+    return r is None or not other.world or r < other.world
+
+
+def _plain_names(states: Mapping[str, bytes]) -> set[str]:
+    """Small-state names without their rank (``rank1/rng`` is ``rng``); layouts left out."""
+    return {n.split("/", 1)[1] if rank_of(n) is not None else n for n in states if not n.startswith(LAYOUT)}
 
 
 @dataclass
@@ -329,22 +416,19 @@ def _read_logged_step(log: EventLog, side: _Side, version: int, gts: Sequence[in
                 tensorcodec.decode_chunk(body, side.grads[name][2], where)
 
 
-def _tensor_differences(a: RebuiltState, b: RebuiltState) -> list[TensorDifference]:
-    shard_of = {t.name: t.shard for t in a.layout.tensors} | {t.name: t.shard for t in b.layout.tensors}
-    ta = {n: t for s in a.shards for n, t in s.tensors.items()}
-    tb = {n: t for s in b.shards for n, t in s.tensors.items()}
+def _tensor_differences(a: GlobalView, b: GlobalView, common: int | None) -> list[TensorDifference]:
     out = []
-    for name in sorted(ta.keys() | tb.keys()):
-        x, y = ta.get(name), tb.get(name)
+    for name in sorted(a.tensors.keys() | b.tensors.keys()):
+        if common is not None and (r := owner(name)) is not None and r >= common:
+            continue
+        x, y = a.tensors.get(name), b.tensors.get(name)
         if x is None or y is None:
             ref = x if x is not None else y
             assert ref is not None
-            out.append(TensorDifference(name, shard_of.get(name, -1), ref.dtype, list(ref.shape),
-                                        _numel(ref.shape), _numel(ref.shape), None,
-                                        "only in A" if y is None else "only in B"))
+            out.append(TensorDifference(name, ref[3], ref[0], list(ref[1]), _numel(ref[1]), _numel(ref[1]),
+                                        None, "only in A" if y is None else "only in B"))
             continue
-        diff = compare_bits(name, shard_of.get(name, -1), (x.dtype, x.shape, x.bits),
-                            (y.dtype, y.shape, y.bits))
+        diff = compare_bits(name, x[3] if x[3] == y[3] else -1, x[:3], y[:3])
         if diff is not None:
             out.append(diff)
     return out
@@ -374,54 +458,33 @@ def compare_bits(name: str, shard: int, x: tuple[str, tuple[int, ...], np.ndarra
     return TensorDifference(name, shard, dx, list(sx), int(per_elem.sum()), _numel(sx), worst)
 
 
-def _small_differences(small_a: SmallStates, small_b: SmallStates) -> list[StateDifference]:
-    a, b = small_a.states, small_b.states
-    out = []
-    for name in sorted(a.keys() | b.keys()):
-        if a.get(name) == b.get(name):
+def _small_differences(a: GlobalView, b: GlobalView, common: int | None,
+                       strict: bool) -> tuple[list[StateDifference], list[StateDifference]]:
+    """The small states that differ as values, and those whose measurements differ (the
+    current ranks' in both runs; their layouts only at one world size)."""
+    def compared(name: str) -> bool:
+        r = owner(name)
+        if common is None or r is None:
+            return True
+        return r < common and (a.world == b.world or not name.startswith(LAYOUT))
+
+    out: list[StateDifference] = []
+    measured: list[StateDifference] = []
+    for name in sorted(n for n in a.small.keys() | b.small.keys() if compared(n)):
+        x, y = a.small.get(name), b.small.get(name)
+        if x == y:
             continue
-        kind = small_a.kinds.get(name) or small_b.kinds.get(name, "")
-        if name not in a or name not in b:
-            out.append(StateDifference(name, kind, [f"only in {'B' if name not in a else 'A'}"]))
+        kind = a.kinds.get(name) or b.kinds.get(name, "")
+        if x is None or y is None:
+            out.append(StateDifference(name, kind, [f"only in {'B' if x is None else 'A'}"]))
             continue
-        paths: list[str] = []
-        _tree_diff(statecodec.unpack(a[name], f"A's small state {name!r}"),
-                   statecodec.unpack(b[name], f"B's small state {name!r}"), "", paths)
-        paths = [p.removeprefix(".") for p in paths]
-        out.append(StateDifference(name, kind, paths[:MAX_PATHS], max(0, len(paths) - MAX_PATHS)))
-    return out
-
-
-def _tree_diff(x: Any, y: Any, path: str, out: list[str]) -> None:
-    """Append ``path: x -> y`` for each leaf that differs (arrays and tensors by their bits)."""
-    if isinstance(x, dict) and isinstance(y, dict):
-        for k in sorted(x.keys() | y.keys(), key=str):
-            if k not in x or k not in y:
-                out.append(f"{path}.{k}: only in {'A' if k in x else 'B'}")
-            else:
-                _tree_diff(x[k], y[k], f"{path}.{k}", out)
-        return
-    if isinstance(x, list | tuple) and isinstance(y, list | tuple) and len(x) == len(y):
-        for i, (u, v) in enumerate(zip(x, y, strict=True)):
-            _tree_diff(u, v, f"{path}[{i}]", out)
-        return
-    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-        same = (x.dtype, x.shape) == (y.dtype, y.shape) and torch.equal(
-            x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
-        if not same:
-            out.append(f"{path}: differs ({x.numel()} elements)")
-        return
-    if isinstance(x, np.ndarray) and isinstance(y, np.ndarray):
-        if x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes():
-            out.append(f"{path}: differs ({x.size} elements)")
-        return
-    if type(x) is not type(y) or x != y:
-        out.append(f"{path}: {_short(x)} -> {_short(y)}")
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else f"{type(value).__name__} of {len(text)} chars"
+        diff = states_diff(name, x, y, strict=strict)
+        for paths, into in ((diff.paths, out), (diff.measured, measured)):
+            if paths:
+                folded = grouped(paths)
+                into.append(StateDifference(name, kind, folded[:MAX_PATHS], max(0, len(folded) - MAX_PATHS),
+                                            len(paths)))
+    return out, measured
 
 
 def _step_finding(a: _Side, b: _Side, tensors_differ: bool, report: BisectReport) -> StepFinding | None:
@@ -464,7 +527,7 @@ def _predictions(steps: list[OptimizerStep]) -> dict[tuple[int, str], bytes]:
     return {(s.index, n): d for s in steps for n, d in zip(s.predicted, s.predicted_digests, strict=False)}
 
 
-def _hyperparameters(a: _Side, b: _Side) -> list[str]:
+def _hyperparameters(a: _Side, b: _Side, view_a: GlobalView, view_b: GlobalView) -> list[str]:
     """Hyperparameters that differ, ``group G NAME: A's -> B's``: those the differing
     version's optimizer steps logged, else the optimizer's param groups (a small state)."""
     if a.steps and b.steps:
@@ -472,20 +535,22 @@ def _hyperparameters(a: _Side, b: _Side) -> list[str]:
                   unpack_hyperparams(y.hyperparams, "B's optimizer step"))
                  for x, y in zip(a.steps, b.steps, strict=False)]
     else:
-        pairs = [(_param_groups(a.state.small.states, "A"), _param_groups(b.state.small.states, "B"))]
+        pairs = [(_param_groups(view_a.small, "A"), _param_groups(view_b.small, "B"))]
     out: list[str] = []
     for groups_a, groups_b in pairs:
         for g, (x, y) in enumerate(zip(groups_a, groups_b, strict=False)):
             for key in sorted(x.keys() | y.keys()):
-                if key != "params" and x.get(key) != y.get(key):
-                    out.append(f"group {g} {key}: {_short(x.get(key))} -> {_short(y.get(key))}")
+                if key != "params" and tree_diff(x.get(key), y.get(key)).paths:
+                    out.append(f"group {g} {key}: {short_repr(x.get(key))} -> {short_repr(y.get(key))}")
     return list(dict.fromkeys(out))
 
 
 def _param_groups(states: Mapping[str, bytes], run: str) -> list[dict[str, Any]]:
-    """The optimizer's param groups from its small state ([] without one)."""
-    if "optimizer" not in states:
+    """The optimizer's param groups from its small state (rank 0's in a multi-rank run; []
+    without one)."""
+    name = next((n for n in ("optimizer", "rank0/optimizer") if n in states), None)
+    if name is None:
         return []
-    tree = statecodec.unpack(states["optimizer"], f"{run}'s small state 'optimizer'")
+    tree = statecodec.unpack(states[name], f"{run}'s small state {name!r}")
     groups = tree.get("param_groups") if isinstance(tree, dict) else None
     return [g for g in groups if isinstance(g, dict)] if isinstance(groups, list) else []

@@ -15,6 +15,7 @@ of the replayed step; otherwise tensors are XOR deltas of the previous version's
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -41,6 +42,7 @@ from eventlog.layout import assign_shards
 from eventlog.optimstep import StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog
 from eventlog.settings import Settings, current
+from eventlog.waits import warned_wait
 from replayer.assemble import full_state
 from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
@@ -52,6 +54,7 @@ from snapshotter.policies import Trigger
 from snapshotter.service import CommittedSnapshots, SnapshotSource, SnapshotterThread
 
 _ROLES = ("model", "optimizer", "scheduler", "sampler")
+_logger = logging.getLogger(__name__)
 
 
 class Recorder:
@@ -161,6 +164,8 @@ class Recorder:
         self._jobs: queue.Queue[StagedCommit | None] = queue.Queue(maxsize=max_inflight)
         self._failure: BaseException | None = None
         self._closed = False
+        #: What the committer thread is doing, for the warning of a commit that waits long.
+        self._busy = "idle"
         self._committer = threading.Thread(target=self._run, name="rewind-committer", daemon=True)
         self._committer.start()
 
@@ -202,7 +207,9 @@ class Recorder:
                                        inline=self._inline_roles)
             tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
-        self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
+        with warned_wait(lambda: f"a free slot to stage the commit of step {step} of run {self.run_id!r} "
+                         f"(every slot holds a commit in flight); the committer is {self._busy}", _logger):
+            self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
         try:
             staged = self._pipe.staging()
             for name, t in tensors.items():
@@ -229,7 +236,9 @@ class Recorder:
             self._staging_slots.release()  # no job will give it back
             raise
         if wait:
-            job.future.result()
+            with warned_wait(lambda: f"the commit of step {step} of run {self.run_id!r} to be durable; the "
+                             f"committer is {self._busy}", _logger):
+                job.future.result()
         return job.future
 
     def flush(self) -> None:
@@ -237,7 +246,9 @@ class Recorder:
         done: Future[CommitResult] = Future()
         marker = StagedCommit(-1, {}, None, {}, {}, {}, done, flush_only=True)
         self._jobs.put(marker)
-        done.result()
+        with warned_wait(lambda: f"the queued commits of run {self.run_id!r} to be durable; the committer "
+                         f"is {self._busy}", _logger):
+            done.result()
         self._check_usable()
 
     def restore(self) -> RestoreResult:
@@ -290,7 +301,9 @@ class Recorder:
             return
         self._closed = True
         self._jobs.put(None)
-        self._committer.join()
+        with warned_wait(lambda: f"the queued commits of run {self.run_id!r} to be written before the "
+                         f"recorder closes; the committer is {self._busy}", _logger):
+            self._committer.join()
         if isinstance(self._snapshotter, CommittedSnapshots):
             if self._failure is None:
                 self._offer_snapshot()  # the one a time trigger made due since the last commit
@@ -343,18 +356,21 @@ class Recorder:
                 if self._failure is not None:
                     job.future.set_exception(self._failure)
                 else:
+                    self._busy = f"writing version {self.version + 1} (step {job.step}) to the log"
                     job.future.set_result(self._write(job) if self._group is None else self._write_group(job))
                     # The version's encode buffers go back to the kernel before the trainer's
                     # next step allocates: they are not held while a snapshot is written.
                     allocator.trim()
                     # After the result: training goes on meanwhile, and the next commit is
                     # written once the snapshot no longer reads the base it replaces.
+                    self._busy = f"writing the snapshot of version {self.version}, if one is due"
                     self._offer_snapshot()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 self._failure = exc
                 if not job.future.done():
                     job.future.set_exception(exc)
             finally:
+                self._busy = "idle"
                 self._staging_slots.release()
                 # Not held while waiting for the next job: its gradients would stay pinned
                 # through the trainer's next backward pass.

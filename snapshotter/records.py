@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eventlog import RewindError
-from eventlog.errors import CorruptStoreError, IntegrityError
 from eventlog.events import Envelope
 from eventlog.fold.engine import events
+from eventlog.fold.gaps import MissingRecordsError, skipped
 from eventlog.ports import CONTROL, EventLog
+
+__all__ = ["DamagedRecord", "MissingRecordsError", "Records"]
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,6 @@ class DamagedRecord:
         part = "control" if self.partition == CONTROL else f"shard {self.partition}"
         at = "records missing" if self.offset is None else f"offset {self.offset}"
         return f"{version}, {part}, {at}"
-
-
-class MissingRecordsError(IntegrityError):
-    """Records a log with dense offsets should hold are not found (no read failed)."""
 
 
 class Records:
@@ -79,17 +77,8 @@ class Records:
 
     def _gap(self, want: int, found: int) -> RewindError:
         """The error for offsets ``want..found - 1`` that a read of a log with dense offsets
-        skipped: a damaged index where a lookup or the table itself still finds them, else
-        missing records (a damaged index can also hide records without any error)."""
-        what = f"run {self.log.run_id!r} partition {self.partition}"
-        if not self._one_by_one and self.log.read(self.partition, gt=want - 1, lte=want, limit=1):
-            return CorruptStoreError(f"{what}: a scan skips offsets {want}..{found - 1}, which a lookup of "
-                                     f"offset {want} finds: the database's index is damaged")
-        if self.log.holds_unindexed(self.partition, want, found - 1):
-            return CorruptStoreError(f"{what}: reads skip offsets {want}..{found - 1}, which the database "
-                                     "holds: its index is damaged")
-        return MissingRecordsError(f"{what}: records at offsets {want}..{found - 1} are missing (the "
-                                   f"partition ends at {self._end})")
+        skipped (``eventlog.fold.gaps.skipped``)."""
+        return skipped(self.log, self.partition, want, found, lookup=not self._one_by_one)
 
     def _single(self) -> tuple[int, int, Envelope] | None:
         gt = self.last_offset

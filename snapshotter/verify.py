@@ -48,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eventlog import RewindError, RunAddress
+from eventlog.backends import store_damage
 from eventlog.digests import state_digest
 from eventlog.errors import CorruptStoreError, RunNotFoundError
 from eventlog.events import Resumed, RunStarted
@@ -116,22 +117,75 @@ def verify_run(address: RunAddress, *, workers: int = 2, deep: bool = False) -> 
         opened = address.open_log()
     except CorruptStoreError as exc:
         report.findings.append(Finding("log", FAIL, f"{exc}; no version is reachable"))
+        check_store(report, address.log_url)
         return report
     with opened as log:
         try:
-            idx = index_control(log)
-        except RewindError as exc:
-            if not _control_damage(log, exc, report):
-                raise  # no such run, or a server that does not answer: nothing to patrol
-            report.findings.append(Finding("log", FAIL, "no version is reachable: every replay "
-                                           "reads the whole control partition"))
-            return report
-        store = run_store(address.snapshots_url, idx, log.run_id)
-        valid = _check_snapshots(report, store, log, idx, workers)
-        parts = _partitions(report, log, idx)
-        _check_log(report, log, idx, Starts(store, log, idx, valid, workers, parts), workers, deep)
-        _check_resumes(report, log, idx)
+            _patrol(report, log, address, workers, deep)
+        except CorruptStoreError as exc:  # the store failed a read the patrol cannot go on without
+            report.findings.append(Finding("log", FAIL, f"{exc}; the patrol stopped there"))
+    check_store(report, address.log_url)
     return report
+
+
+def verify_store(log_url: str, error: CorruptStoreError) -> VerifyReport:
+    """The report on a store in which no run can be named (``error``: its run ids do not
+    read): that, and the damage the store holds (``check_store``)."""
+    report = VerifyReport()
+    report.findings.append(Finding("log", FAIL, f"{error}; no run can be patrolled"))
+    check_store(report, log_url)
+    return report
+
+
+def check_store(report: VerifyReport, log_url: str) -> None:
+    """Add the damage the log's store holds beyond its records (``eventlog.backends.store_damage``)."""
+    report.findings += [Finding("database", FAIL, line) for line in store_damage(log_url)]
+
+
+def _patrol(report: VerifyReport, log: EventLog, address: RunAddress, workers: int, deep: bool) -> None:
+    """``verify_run``'s checks of the run's snapshots and log."""
+    try:
+        idx = index_control(log)
+    except RewindError as exc:
+        if not _control_damage(log, exc, report):
+            raise  # no such run, or a server that does not answer: nothing to patrol
+        report.findings.append(Finding("log", FAIL, "no version is reachable: every replay "
+                                       "reads the whole control partition"))
+        return
+    store = run_store(address.snapshots_url, idx, log.run_id)
+    valid = _check_snapshots(report, store, log, idx, workers)
+    parts = _partitions(report, log, idx)
+    _check_log(report, log, idx, Starts(store, log, idx, valid, workers, parts), workers, deep)
+    _check_resumes(report, log, idx)
+    _check_fencing(report, log, idx)
+
+
+def _check_fencing(report: VerifyReport, log: EventLog, idx: ControlIndex) -> None:
+    """Every writer that recorded sessions (a recorder names its events ``WRITER#SESSION``,
+    and logs each session's environment) must hold an epoch in the store at least as high
+    as their count: each session registered once, one epoch past the last. A lower one, or
+    none, lets the next writer with that id register at an epoch a fenced one may hold."""
+    try:
+        epochs = log.writer_epochs()
+    except CorruptStoreError as exc:
+        report.findings.append(Finding("writers", FAIL, f"{exc}; no writer's fencing epoch can be checked"))
+        return
+    if epochs is None:
+        return
+    sessions: dict[str, set[str]] = {}
+    named = [env.writer for _, env in idx.environment] + [info.writer for info in idx.seals.values()]
+    for name in named:
+        writer, sep, session = name.rpartition("#")
+        if sep and writer:
+            sessions.setdefault(writer, set()).add(session)
+    for writer, seen in sorted(sessions.items()):
+        held = epochs.get(writer)
+        if held is None or held < len(seen):
+            said = "no epoch" if held is None else f"epoch {held}"
+            report.findings.append(Finding(f"writer {writer}", FAIL, (
+                f"the log records {len(seen)} sessions of it, each registered at a new epoch, but the store "
+                f"holds {said} for it: its row in the writers table is damaged, and the next writer with "
+                f"that id would register at an epoch a fenced one may hold (in {log.record_file(CONTROL)})")))
 
 
 def _partitions(report: VerifyReport, log: EventLog, idx: ControlIndex) -> list[int]:
@@ -212,7 +266,8 @@ def _check_snapshots(report: VerifyReport, store: SnapshotStore | None, log: Eve
         folder = store.directory(log.run_id, sid)
         if marker.end is None:
             report.findings.append(Finding(subject, WARN, f"orphan: begin marker at control "
-                                           f"offset {marker.begin_offset} but no end marker; "
+                                           f"offset {marker.begin_offset} but no end marker (its "
+                                           "snapshotter died or lost its lease while writing it); "
                                            f"files in {folder} are unused"))
             continue
         gone = absence(store, log.run_id, sid)

@@ -28,3 +28,36 @@ def unchecked(db: Path, run: str, partition: int, offset: int) -> None:
     with closing(sqlite3.connect(db)) as conn, conn:
         conn.execute("UPDATE records SET sum=NULL WHERE run=? AND partition=? AND offset=?",
                      (run, partition, offset))
+
+
+def page_size(db: Path) -> int:
+    """The database's page size, after moving every page from its WAL into the file (so
+    that a test's damage to the file is what a reader sees)."""
+    with closing(sqlite3.connect(db)) as conn:
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        return int(conn.execute("PRAGMA page_size").fetchone()[0])
+
+
+def pages_of(db: Path, name: str) -> list[int]:
+    """The page numbers (from 1) of table or index ``name``."""
+    with closing(sqlite3.connect(db)) as conn:
+        return [int(p) for (p,) in conn.execute("SELECT pageno FROM dbstat WHERE name=?", (name,))]
+
+
+def index_loses_rows(db: Path, table: str, where: str, params: tuple[object, ...] = ()) -> None:
+    """Damage ``table``'s primary-key index as a bad page can: the entries of the rows
+    ``where`` selects gone from its pages, the rows themselves left in the table (what
+    ``PRAGMA integrity_check`` calls rows missing from the index). Made by deleting them from
+    a copy and taking its index pages."""
+    size, index = page_size(db), f"sqlite_autoindex_{table}_1"
+    pages = pages_of(db, index)
+    edited = db.with_name(f"{db.name}.edited")
+    shutil.copy(db, edited)
+    with closing(sqlite3.connect(edited)) as conn, conn:
+        conn.execute(f"DELETE FROM {table} WHERE {where}", params)
+    page_size(edited)
+    data, lacking = bytearray(db.read_bytes()), edited.read_bytes()
+    for p in pages:
+        data[(p - 1) * size:p * size] = lacking[(p - 1) * size:p * size]
+    db.write_bytes(bytes(data))
+    edited.unlink()

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,12 +25,32 @@ from rewind.recorder import Recorder
 pytestmark = pytest.mark.xdist_group("test_bisect")
 
 STEPS, K, LR, NEW_LR, NUDGE = 12, 7, 0.01, 0.02, 0.25
+LONG = ("an_encoder_block_with_a_rather_long_descriptive_name", "decoder_projection_layer")
 REWIND = shutil.which("rewind")
 
 
+class Control:
+    """A ``Stateful`` whose flags come back in another key order from step ``reorder_from``
+    on, as a resumed HF trainer's ``TrainerControl`` args do."""
+
+    def __init__(self, reorder_from: int | None) -> None:
+        self.step, self.reorder_from = 0, reorder_from
+
+    def state_dict(self) -> dict[str, Any]:
+        flags = {"should_log": self.step % 2 == 0, "should_save": False, "step": self.step}
+        if self.reorder_from is not None and self.step >= self.reorder_from:
+            flags = dict(sorted(flags.items(), reverse=True))
+        return {"args": flags}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["args"]["step"])
+
+
 def train(root: Path, run: str, *, seed: int = 0, perturb_at: int | None = None,
-          draw_at: int | None = None, lr_from: int | None = None, threads: int | None = None) -> str:
-    """A seeded trainer (steps 1..STEPS, so version == step); returns its bisect spec."""
+          draw_at: int | None = None, lr_from: int | None = None, threads: int | None = None,
+          names: tuple[str, str] = ("0", "2"), reorder_from: int | None = None) -> str:
+    """A seeded trainer (steps 1..STEPS, so version == step); returns its bisect spec.
+    ``names``: its two layers' names; ``reorder_from``: record a ``Control`` too."""
     url = f"sqlite://{root / run}.db"
     before = torch.get_num_threads()
     if threads is not None:
@@ -36,10 +58,14 @@ def train(root: Path, run: str, *, seed: int = 0, perturb_at: int | None = None,
     try:
         torch.manual_seed(seed)
         first = torch.nn.Linear(6, 5)
-        model = torch.nn.Sequential(first, torch.nn.Tanh(), torch.nn.Linear(5, 3))
+        model = torch.nn.Sequential(OrderedDict([(names[0], first), ("1", torch.nn.Tanh()),
+                                                 (names[1], torch.nn.Linear(5, 3))]))
         opt = torch.optim.Adam(model.parameters(), lr=LR)
-        with Recorder(RunAddress(url, url, run), model, opt, chunk_bytes=64) as rec:
+        control = Control(reorder_from)
+        extra = {"control": control} if reorder_from is not None else None
+        with Recorder(RunAddress(url, url, run), model, opt, chunk_bytes=64, extra=extra) as rec:
             for step in range(1, STEPS + 1):
+                control.step = step
                 if step == draw_at:
                     torch.rand(1)  # one extra draw: the batch below comes out different
                 if step == lr_from:
@@ -71,6 +97,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
         "drawn": train(root, "drawn", draw_at=K),
         "lr": train(root, "lr", lr_from=K),
         "seed": train(root, "seed", seed=1),
+        "long": train(root, "long", names=LONG),
+        "nudged": train(root, "nudged", names=LONG, perturb_at=K),
+        "keys": train(root, "keys", reorder_from=STEPS + 1),
+        "reordered": train(root, "reordered", reorder_from=K),
     }
 
 
@@ -109,6 +139,17 @@ def test_identical_runs_exit_0(runs: dict[str, str], capsys: pytest.CaptureFixtu
     assert doc["status"] == "identical" and doc["step"] is None and doc["replayed"] == {}
 
 
+def test_small_states_equal_as_values_are_identical_whatever_their_key_order(
+        runs: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    result = rewind("bisect", runs["keys"], runs["reordered"])
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = " ".join(result.stdout.split())
+    assert "identical: every common step has equal states (12 common steps" in said
+    assert f"{STEPS - K + 1} common steps with other small-state bytes hold equal values" in said
+    doc = bisect_json(runs["keys"], runs["reordered"], 0, capsys)
+    assert (doc["encoded_steps"], doc["differing_steps"], doc["replayed"]) == (STEPS - K + 1, 0, {})
+
+
 def test_a_perturbed_weight_is_named_with_its_one_element_and_difference(
         runs: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
     doc = bisect_json(runs["a"], runs["perturbed"], 1)
@@ -140,7 +181,8 @@ def test_an_extra_random_draw_names_the_rng_stream_and_the_tensors_it_reached(
     doc = bisect_json(runs["a"], runs["drawn"], 1, capsys)
     assert doc["step"] == K
     assert doc["small_states"] == [
-        {"name": "rng", "kind": "RngAdvance", "paths": ["torch: differs (5056 elements)"], "more": 0}]
+        {"name": "rng", "kind": "RngAdvance", "paths": ["torch: differs (5056 elements)"], "more": 0,
+         "total": 1}]
     reached = {t["name"] for t in doc["tensors"]}
     assert {"model/0.weight", "model/0.bias", "model/2.weight", "model/2.bias"} <= reached
     step = doc["optimizer_step"]
@@ -174,6 +216,22 @@ def test_runs_that_differ_from_the_start_are_reported_so(runs: dict[str, str],
     assert any("different initialization or config" in n for n in doc["notes"])
     assert doc["replayed"] == {"a": [1], "seed": [1]}
     assert "differ from the start" in in_process(capsys, "bisect", runs["a"], runs["seed"])[1]
+
+
+def test_the_report_fits_80_columns_when_piped(runs: dict[str, str]) -> None:
+    assert REWIND is not None
+    for pair, name, counts in ((("a", "drawn"), "model/2.bias", "3 of 3"),
+                               (("long", "nudged"), f"model/{LONG[0]}.weight", "1 of 30")):
+        result = subprocess.run([REWIND, "bisect", *(runs[r] for r in pair)], capture_output=True, text=True,
+                                timeout=300, env={**os.environ, "COLUMNS": "80"})
+        assert result.returncode == 1, result.stderr
+        lines = result.stdout.splitlines()
+        assert max(map(len, lines)) <= 80, result.stdout
+        # A table's row is whole: a tensor's name, on the row or alone below it, and its counts.
+        rows = [i for i, ln in enumerate(lines) if ln.split() and ln.split()[-1] == name]
+        whole = [f" {counts} " in lines[i] or (lines[i].strip() == name and f" {counts} " in lines[i - 1])
+                 for i in rows]
+        assert whole and all(whole), result.stdout
 
 
 def test_a_bad_run_is_one_error_line_and_exit_2(runs: dict[str, str], tmp_path: Path,

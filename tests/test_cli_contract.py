@@ -308,7 +308,7 @@ def test_an_unreachable_kafka_broker_fails_fast_and_quietly(capfd: pytest.Captur
 
 def test_an_unreachable_redis_fails_fast() -> None:
     from eventlog.errors import CoordinationError
-    from eventlog.redis import CONNECT_TIMEOUT_S, RedisCoordinator
+    from eventlog.redis.coordinator import CONNECT_TIMEOUT_S, RedisCoordinator
 
     t0 = time.monotonic()
     with pytest.raises(CoordinationError, match="is unreachable"):

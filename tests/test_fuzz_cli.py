@@ -288,10 +288,11 @@ def _case(recorded: Recorded, seed: int, base: Path) -> tuple[Outcome, RunAddres
             # damaged database is read: SQLite finds a damaged page on some query paths only);
             # where it names no record, the store itself is damaged: no replay works, or it
             # names the run's own row (a replay takes the shard count from the layout), or a
-            # snapshot whose end marker no longer vouches for its files (replays pass over it).
+            # snapshot whose end marker no longer vouches for its files (replays pass over it),
+            # or the database file's own damage, beyond the records (its tables and indexes).
             probes = [Target("version", v) for v in report.unreachable]
             named_other = any("reading the run's shard count" in f.detail or f.subject.startswith("snapshot ")
-                              for f in failures)
+                              or f.subject == "database" for f in failures)
             if probes or not (report.damaged or named_other):
                 assert any(not _replays(address, t, recorded.seals) for t in probes or [Target()]), \
                     f"{label}: verify calls {report.unreachable or 'every version'} unreachable, but " \

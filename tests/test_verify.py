@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 import sqlite3
 import struct
 import subprocess
@@ -35,7 +34,7 @@ from snapshotter.store import SnapshotStore
 from snapshotter.verify import FAIL, OK, verify_run
 
 from .conftest import make_address
-from .storage import unchecked
+from .storage import index_loses_rows, unchecked
 from .test_snapshotter import Trainer, _snapshotter
 
 
@@ -546,9 +545,12 @@ def test_a_damaged_run_row_is_named_and_the_layouts_shard_count_is_used(tmp_path
     assert replay(run, Target())[0].version == 3
     report = verify_run(run)
     assert not report.ok and report.unreachable == [] and report.covered == (1, 3), report.findings
-    [failed] = [f for f in report.findings if f.status == FAIL]
+    [failed] = [f for f in report.findings if f.status == FAIL and f.subject == "log"]
     assert failed.detail.startswith(f"embedded database {db} is damaged") and \
         failed.detail.endswith("(reading the run's shard count; the layout's, 2, is used)"), failed.detail
+    store = [f.detail for f in report.findings if f.subject == "database"]
+    assert store and all(f.status == FAIL for f in report.findings if f.subject == "database")
+    assert f"embedded database {db} is damaged: its tables runs do not read" in "\n".join(store), store
 
 
 def test_a_record_the_store_fails_on_one_query_path_loses_no_version_a_replay_reads_past(
@@ -631,32 +633,17 @@ def test_a_record_its_index_lost_is_named_as_a_damaged_index_not_as_missing(tmp_
     run = _closed_run(tmp_path, 4)
     with run.open_log() as log:
         offset = next(o for o, _, env in events(log, 0) if env.version == 3)
-    db, edited = tmp_path / "rewind.db", tmp_path / "edited.db"
-    with sqlite3.connect(db) as conn:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-        (page_size,) = conn.execute("PRAGMA page_size").fetchone()
-        pages = [p for (p,) in conn.execute(
-            "SELECT pageno FROM dbstat WHERE name='sqlite_autoindex_records_1'")]
-    conn.close()
-    shutil.copy(db, edited)
-    with sqlite3.connect(edited) as conn:  # the row deleted from the copy: its index pages lack it
-        conn.execute("DELETE FROM records WHERE partition=0 AND offset=?", (offset,))
-    conn.close()
-    with sqlite3.connect(edited) as conn:
-        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-    conn.close()
-    data, lacking = bytearray(db.read_bytes()), edited.read_bytes()
-    for p in pages:
-        data[(p - 1) * page_size:p * page_size] = lacking[(p - 1) * page_size:p * page_size]
-    db.write_bytes(bytes(data))
+    db = tmp_path / "rewind.db"
+    index_loses_rows(db, "records", "partition=0 AND offset=?", (offset,))
     with sqlite3.connect(db) as conn:
         assert "missing from index" in conn.execute("PRAGMA integrity_check").fetchone()[0]
     conn.close()
     with override(settle_s=0.0):
         assert replay(run, Target("version", 2))[0].version == 2
         with pytest.raises(CorruptStoreError, match=re.escape(
-                f"shard 0: the read after offset {offset - 1} returned offset {offset + 1}: records "
-                f"{offset}..{offset} are missing, or the store's index is damaged")):
+                f"shard 0: the read after offset {offset - 1} returned offset {offset + 1}: run "
+                f"{run.run_id!r} partition 0: reads skip offsets {offset}..{offset}, which the database "
+                "holds: its index is damaged")):
             replay(run, Target("version", 3))
         report = verify_run(run)
     assert not report.ok and report.unreachable == [3, 4], report.findings

@@ -10,8 +10,9 @@ URL: ``sqlite://<path>``, e.g. ``sqlite:///tmp/run/rewind.db`` (absolute) or
 
 Modules, one job each: ``db`` (the file: schema, format marker, connections, read-only
 opens), ``writer`` (fenced transactions, segment-file appends, background checkpoints),
-``reader`` (reads and lazy decoding), ``coordinator`` (``EmbeddedCoordinator``) and ``log``
-(``EmbeddedLog``, which composes them). Large messages' segment files: ``eventlog.segments``.
+``reader`` (reads and lazy decoding), ``coordinator`` (``EmbeddedCoordinator``), ``log``
+(``EmbeddedLog``, which composes them) and ``check`` (what ``rewind verify`` asks of the
+file beyond its records). Large messages' segment files: ``eventlog.embedded.segments``.
 """
 
 from eventlog.embedded.coordinator import EmbeddedCoordinator

@@ -4,6 +4,7 @@ thread (or a read-only one that creates nothing), transactions, and our errors f
 from __future__ import annotations
 
 import functools
+import logging
 import sqlite3
 import threading
 import time
@@ -14,8 +15,11 @@ from typing import ParamSpec, TypeVar
 
 import xxhash
 
-from eventlog.errors import CorruptStoreError, EventLogError, RewindError, RunNotFoundError
+from eventlog.errors import ConfigError, CorruptStoreError, EventLogError, RewindError, RunNotFoundError
 from eventlog.ports import MessageBytes
+from eventlog.waits import warned_wait
+
+_log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -83,6 +87,37 @@ def record_sum(message: MessageBytes | memoryview, ends: int | None = None) -> i
         h.update(_span(parts, size - ends, size))
     value = h.intdigest()
     return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def valid_run_id(value: object) -> bool:
+    """Whether ``value`` can be a run id: non-empty text of printable characters."""
+    return isinstance(value, str) and value != "" and value.isprintable()
+
+
+def check_run_id(run_id: object) -> str:
+    """``run_id``, refused (``ConfigError``) unless it can be a run id (``valid_run_id``)."""
+    if not valid_run_id(run_id):
+        raise ConfigError(f"run id {run_id!r} is not a run id: use non-empty text of printable characters")
+    return str(run_id)
+
+
+def run_id_read(value: object, path: Path, what: str) -> str:
+    """A run id read from the database at ``path`` (``what``: where it was read). One that
+    reads as NULL, or as anything else that is not a run id, is damage (a damaged page or
+    index hands back such values): the error names the file."""
+    if valid_run_id(value):
+        return str(value)
+    raise CorruptStoreError(f"embedded database {path} is damaged: {what} holds run id {value!r}, "
+                            "which is not a run id")
+
+
+def integer_read(value: object, path: Path, what: str) -> int:
+    """An integer column's value read from the database at ``path`` (``what``: whose, as
+    "run 'r' holds a shard count of"); a damaged page can hand back NULL, text or a blob
+    there: that is damage, and the error names the file."""
+    if isinstance(value, int):
+        return value
+    raise CorruptStoreError(f"embedded database {path} is damaged: {what} {value!r}, not an integer")
 
 
 def checksum_mismatch(where: str) -> CorruptStoreError:
@@ -221,6 +256,9 @@ class Database:
             "malformed" in msg or "not a database" in msg or "disk image" in msg
         ):
             return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
+        if isinstance(exc, sqlite3.OperationalError) and msg.startswith("Could not decode to UTF-8"):
+            # Rewind writes only UTF-8 text: a damaged page holds what it read.
+            return CorruptStoreError(f"embedded database {self.path} is damaged: {msg}")
         if isinstance(exc, sqlite3.OperationalError) and msg.startswith(("no such table", "no such column")):
             # The file was opened as a Rewind log, so its schema held every table and column
             # once: one missing now is a damaged schema (or a file Rewind never wrote).
@@ -232,7 +270,9 @@ class Database:
         """BEGIN IMMEDIATE ... COMMIT, rolled back if the block raises."""
         c = c or self.conn()
         try:
-            c.execute("BEGIN IMMEDIATE")
+            with warned_wait(f"the write lock of {self.path} (another connection or process is writing it)",
+                             _log):
+                c.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise self.wrap(exc) from exc
         try:

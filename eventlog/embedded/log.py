@@ -9,12 +9,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eventlog import segments
-from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, path_from_url, record_sum, wrapped
+from eventlog.embedded import segments
+from eventlog.embedded.db import (
+    SUM_ENDS,
+    Database,
+    check_run_id,
+    checksum_mismatch,
+    integer_read,
+    path_from_url,
+    record_sum,
+    run_id_read,
+    wrapped,
+)
 from eventlog.embedded.reader import RunReader
-from eventlog.embedded.writer import EmbeddedWriter
-from eventlog.errors import EventLogError
-from eventlog.ports import CONTROL, Decoded, Decoder, EventLog, LogWriter, Record
+from eventlog.embedded.writer import EmbeddedWriter, register
+from eventlog.errors import CorruptStoreError, EventLogError, RunNotFoundError
+from eventlog.ports import CONTROL, WEIGHTS, Decoded, Decoder, EventLog, LogWriter, Record
 from eventlog.settings import current
 
 
@@ -29,7 +39,7 @@ class EmbeddedLog(EventLog):
         return settings.read_batch if partition == CONTROL else settings.embedded_read_batch
 
     def __init__(self, url: str, run_id: str, *, read_only: bool = False) -> None:
-        self.url, self.run_id = url, run_id
+        self.url, self.run_id = url, check_run_id(run_id)
         self._segments_root = segments.directory(path_from_url(url), run_id)
         self._segments = segments.Reader(self._segments_root)
         self._db = Database(path_from_url(url), EventLogError, read_only=read_only)
@@ -50,24 +60,25 @@ class EmbeddedLog(EventLog):
                 c.execute("INSERT INTO partitions VALUES (?,?,0,0)", (self.run_id, p))
 
     @wrapped
+    def create_weights(self) -> None:
+        with self._db.txn() as c:
+            if c.execute("SELECT 1 FROM runs WHERE run=?", (self.run_id,)).fetchone() is None:
+                raise RunNotFoundError(f"run {self.run_id!r} is not in {self.url}")
+            c.execute("INSERT OR IGNORE INTO partitions VALUES (?,?,0,0)", (self.run_id, WEIGHTS))
+
+    @wrapped
     def shard_count(self) -> int | None:
         row = self._db.conn().execute(
             "SELECT shards FROM runs WHERE run=?", (self.run_id,)
         ).fetchone()
-        return None if row is None else int(row[0])
+        return None if row is None else \
+            integer_read(row[0], self._db.path, f"run {self.run_id!r} holds a shard count of")
 
     @wrapped
     def writer(self, writer_id: str) -> LogWriter:
         with self._db.txn() as c:
-            c.execute(
-                "INSERT INTO writers VALUES (?,?,1) ON CONFLICT(run, writer) "
-                "DO UPDATE SET epoch=epoch+1",
-                (self.run_id, writer_id),
-            )
-            (epoch,) = c.execute(
-                "SELECT epoch FROM writers WHERE run=? AND writer=?", (self.run_id, writer_id)
-            ).fetchone()
-        return EmbeddedWriter(self._db, self.run_id, self._segments_root, writer_id, int(epoch))
+            epoch = register(self._db, c, self.run_id, writer_id)
+        return EmbeddedWriter(self._db, self.run_id, self._segments_root, writer_id, epoch)
 
     def read(
         self, partition: int, *, gt: int | None = None, lte: int | None = None,
@@ -111,12 +122,27 @@ class EmbeddedLog(EventLog):
         ).fetchone()
         return row is not None
 
+    @wrapped
+    def writer_epochs(self) -> dict[str, int] | None:
+        """Read row by row past the index (an epoch that is no integer is left out: the
+        store's check names it)."""
+        epochs: dict[str, int] = {}
+        for writer, epoch in self._db.conn().execute(
+                "SELECT writer, epoch FROM writers NOT INDEXED WHERE run=?", (self.run_id,)):
+            if isinstance(writer, str) and isinstance(epoch, int):
+                epochs[writer] = max(epoch, epochs.get(writer, epoch))
+        return epochs
+
     def _partition_row(self, partition: int) -> tuple[int, int]:
         row = self._db.conn().execute(
             "SELECT next_offset, start_offset FROM partitions WHERE run=? AND partition=?",
             (self.run_id, partition),
         ).fetchone()
-        return (0, 0) if row is None else (int(row[0]), int(row[1]))
+        if row is None:
+            return 0, 0
+        what = f"run {self.run_id!r} partition {partition} holds {{}} offset of"
+        return (integer_read(row[0], self._db.path, what.format("an end")),
+                integer_read(row[1], self._db.path, what.format("a start")))
 
     @wrapped
     def end_offset(self, partition: int) -> int:
@@ -189,8 +215,22 @@ def list_runs(url: str) -> list[str]:
         return []
     db = Database(path, EventLogError, read_only=True)
     try:
-        return [r[0] for r in db.conn().execute("SELECT run FROM runs ORDER BY run")]
+        listed = [r[0] for r in db.conn().execute("SELECT run FROM runs ORDER BY run")]
+        try:
+            return [run_id_read(run, path, "the runs table's index") for run in listed]
+        except CorruptStoreError as exc:
+            raise CorruptStoreError(f"{exc}; {_held_past_the_index(db)}") from None
     except sqlite3.Error as exc:
         raise db.wrap(exc) from exc
     finally:
         db.close()
+
+
+def _held_past_the_index(db: Database) -> str:
+    """What the runs table itself holds, read row by row past its index (for the error of an
+    index that lists a value that is not a run id)."""
+    try:
+        held = sorted(str(r) for (r,) in db.conn().execute("SELECT run FROM runs NOT INDEXED"))
+    except sqlite3.Error as exc:
+        return f"the table itself does not read either: {exc}"
+    return f"the table itself holds runs {', '.join(map(repr, held))}: name one with --run"

@@ -9,8 +9,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from eventlog import segments
-from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, record_sum, wrapped
+from eventlog.embedded import segments
+from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, integer_read, record_sum, wrapped
 from eventlog.errors import CorruptMessageError, CorruptStoreError, RewindError, TruncatedHistoryError
 from eventlog.ports import Decoded, Decoder, MessageStream, Record, paged
 
@@ -319,12 +319,8 @@ class RunReader:
         return out
 
     def _integer(self, value: object, what: str) -> int:
-        """A row's integer column, or the error naming the damage (a damaged page can hand
-        back text or a blob where SQLite stored an integer)."""
-        if isinstance(value, int):
-            return value
-        raise CorruptStoreError(f"embedded database {self._db.path} is damaged: {what} {value!r}, "
-                                "not an integer")
+        """A row's integer column, or the error naming the damage (``integer_read``)."""
+        return integer_read(value, self._db.path, what)
 
     def _misled(self, partition: int, rows: list[Any]) -> dict[int, CorruptStoreError]:
         """The offsets among ``rows`` (from ``_stored``'s lookup) whose index entry leads to

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eventlog import segments
+from eventlog.embedded import segments
 from eventlog.embedded.db import SUM_ENDS, Database, record_sum
-from eventlog.errors import ConfigError, EventLogError, FencedError
+from eventlog.errors import ConfigError, CorruptStoreError, EventLogError, FencedError
 from eventlog.ports import LogTransaction, LogWriter, MessageBytes, joined, message_size
 from eventlog.settings import current
 
@@ -79,6 +79,39 @@ class EmbeddedTransaction(LogTransaction):
             )
 
 
+def held_epochs(db: Database, conn: sqlite3.Connection, run_id: str, writer_id: str) -> list[int]:
+    """The epochs the store holds for writer ``writer_id`` of run ``run_id``, read through
+    the table's index and row by row past it: an index that lost the writer's row (a
+    damaged page) must not make its epoch look unused. One that is not an epoch is damage."""
+    key = (run_id, writer_id)
+    rows = conn.execute("SELECT epoch FROM writers WHERE run=? AND writer=?", key).fetchall() + \
+        conn.execute("SELECT epoch FROM writers NOT INDEXED WHERE run=? AND writer=?", key).fetchall()
+    for (epoch,) in rows:
+        if not isinstance(epoch, int) or epoch < 1:
+            raise CorruptStoreError(f"embedded database {db.path} is damaged: writer {writer_id!r} of run "
+                                    f"{run_id!r} has epoch {epoch!r}, which is not an epoch; its fencing "
+                                    "cannot be trusted")
+    return [int(epoch) for (epoch,) in rows]
+
+
+def register(db: Database, conn: sqlite3.Connection, run_id: str, writer_id: str) -> int:
+    """Make writer ``writer_id`` of run ``run_id`` the newest, inside the open transaction of
+    ``conn``: its epoch is one past every epoch the store holds for that id (``held_epochs``),
+    so a writer never registers at an epoch a fenced one may still hold. Returns it."""
+    epoch = max(held_epochs(db, conn, run_id, writer_id), default=0) + 1
+    key = (run_id, writer_id)
+    # Past the index too: a row it lost gets the new epoch, not a second row beside it.
+    if conn.execute("UPDATE writers NOT INDEXED SET epoch=? WHERE run=? AND writer=?",
+                    (epoch, *key)).rowcount:
+        return epoch
+    try:
+        conn.execute("INSERT INTO writers VALUES (?,?,?)", (*key, epoch))
+    except sqlite3.IntegrityError as exc:
+        raise CorruptStoreError(f"embedded database {db.path} is damaged: the writers index holds writer "
+                                f"{writer_id!r} of run {run_id!r}, which its table does not") from exc
+    return epoch
+
+
 class EmbeddedWriter(LogWriter):
     """Writer ``writer_id`` of run ``run_id`` at ``epoch``; a transaction fails once a newer
     writer with the same id raised the epoch."""
@@ -99,14 +132,11 @@ class EmbeddedWriter(LogWriter):
         db = self._db
         try:
             with self._lock, db.txn(self._conn) as conn:
-                row = conn.execute(
-                    "SELECT epoch FROM writers WHERE run=? AND writer=?",
-                    (self._run_id, self.writer_id),
-                ).fetchone()
-                if row is None or row[0] != self._epoch:
+                held = held_epochs(db, conn, self._run_id, self.writer_id)
+                if max(held, default=None) != self._epoch:
                     raise FencedError(
                         f"writer {self.writer_id!r} of run {self._run_id!r} was fenced by a "
-                        f"newer writer with the same id (epoch {row[0] if row else '?'} > {self._epoch})"
+                        f"newer writer with the same id (epoch {max(held, default='?')} > {self._epoch})"
                     )
                 txn = EmbeddedTransaction(db, self._run_id, self._segments_root, conn)
                 try:

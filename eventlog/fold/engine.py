@@ -20,7 +20,6 @@ import torch
 from eventlog import crypto, serde
 from eventlog.digests import small_digest, state_digest
 from eventlog.errors import (
-    CorruptStoreError,
     DigestMismatchError,
     IntegrityError,
     RunNotFoundError,
@@ -30,11 +29,13 @@ from eventlog.errors import (
 )
 from eventlog.events import SMALL_STATE_TYPES, CommitSealed, Envelope, Metrics, RunStarted
 from eventlog.fold.apply import APPLIED, ApplyCounts, Placement, ShardState, classify, verify_shard
+from eventlog.fold.gaps import skipped
 from eventlog.fold.sharing import WorkBoard, map_shared
 from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog, MessageStream
 from eventlog.settings import current
 from eventlog.target import LATEST, Target
+from eventlog.waits import warned_wait
 
 _log = logging.getLogger(__name__)
 
@@ -174,6 +175,9 @@ def index_control(log: EventLog, idx: ControlIndex | None = None) -> ControlInde
         elif env.kind in ("EnvironmentFingerprint", "Resumed"):
             idx.environment.append((offset, env))
     if not idx.run_started and idx.start_offset == 0 and gt is None:
+        if seen == 0 and log.dense_offsets and idx.end_offset > 0:
+            # Every offset holds a record there: the read skipped them all.
+            raise skipped(log, CONTROL, 0, idx.end_offset)
         if seen == 0:  # nothing committed (aborted transactions may still use offsets)
             raise RunNotFoundError(f"run {log.run_id!r} has no events in {log.url}")
         # Records without a layout is damage, never a fresh run: refuse to start over.
@@ -294,6 +298,16 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
     """``fold_shard``'s reading: apply the shard's events after offset ``gt`` up to
     ``version``, polling the end offset again while the seal counts more (see there).
     Returns the first event past ``version`` and its offset, where it stopped at one."""
+    with contextlib.ExitStack() as short:
+        return _read_until(log, state, idx, version, gt, on_bytes, settle_s, since_version,
+                           defer_steps, placement, short)
+
+
+def _read_until(log: EventLog, state: ShardState, idx: ControlIndex, version: int, gt: int | None,
+                on_bytes: Callable[[int], None] | None, settle_s: float, since_version: int,
+                defer_steps: bool, placement: Placement,
+                short: contextlib.ExitStack) -> tuple[int, Envelope] | None:
+    """``_read_to``, which enters the warning of a wait for events the seal counts on ``short``."""
     sealed = {v: s.gsn for v, s in idx.seals.items() if v <= version}
     # The events the seals of the versions to fold count on this shard and the fold has not
     # applied: once none is owed, it stops, without reading the record after them (which
@@ -316,9 +330,9 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
                 past = offset, env
                 break
             if log.dense_offsets and gt is not None and offset != gt + 1:
-                raise CorruptStoreError(f"run {log.run_id!r} shard {state.shard}: the read after offset {gt} "
-                                        f"returned offset {offset}: records {gt + 1}..{offset - 1} are "
-                                        "missing, or the store's index is damaged")
+                error = skipped(log, state.shard, gt + 1, offset)
+                raise type(error)(f"shard {state.shard}: the read after offset {gt} returned offset "
+                                  f"{offset}: {error}")
             where = f"run {log.run_id!r} shard {state.shard} offset {offset} (version {env.version})"
             outcome = state.apply(env, sealed, nbytes, where, defer=defer_steps, placement=placement)
             state.next_offset = offset + 1
@@ -332,6 +346,11 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
         if done or version <= since_version or not _short(state, idx, version):
             return past
         now = time.monotonic()
+        if deadline is None and not afresh:  # short, the first time: a wait that may be long
+            short.enter_context(warned_wait(
+                f"events of version {version} that its seal counts on shard {state.shard} of run "
+                f"{log.run_id!r} to become readable (read again while they come, given up after "
+                f"{settle_s:.0f} s without any)", _log))
         if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
             deadline = now + settle_s
         elif now > deadline:

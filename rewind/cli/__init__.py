@@ -7,11 +7,11 @@ takes two runs, each ``DIR``, ``DIR#RUN`` or ``LOG_URL#RUN``. Commands that only
 a log or snapshot store that does not exist is an error, not a new empty one.
 
 Exit status, for every command: 0 success. 1 the command ran and its check failed
-(``verify`` found damage, ``demo`` was not bit-exact, ``diff --exit-code`` found a
-difference, ``bisect`` found two runs that diverge). 2 a usage error (unknown command or
-option, a missing or bad value) or a Rewind error (no such run, damaged data, an
-unreachable server): one line on stderr, ``error: <kind>: <what and where>``, no
-traceback. 130 interrupted (Ctrl-C). Anything else is a bug.
+(``verify`` found damage, a malformed or damaged database included, ``demo`` was not
+bit-exact, ``diff --exit-code`` found a difference, ``bisect`` found two runs that diverge).
+2 a usage error (unknown command or option, a missing or bad value) or a Rewind error (no
+such run, damaged data, an unreachable server): one line on stderr, ``error: <kind>: <what
+and where>``, no traceback. 130 interrupted (Ctrl-C). Anything else is a bug.
 
 An unreachable Kafka broker or Redis server fails within 5 seconds of the first contact.
 
@@ -26,10 +26,14 @@ diff: ``from to differs tensors`` (each: ``name dtype shape changed l2
 bit_equal``; ``l2`` is null for tensors that cannot be compared). bisect: ``status``
 (identical, diverged, differ-from-start; ``ok`` is true only for identical), ``step``,
 ``version_a version_b``, ``previous_step``, ``shards tensors small_states optimizer_step
-hyperparameters environment layout notes replayed seconds``. plot: ``run file``.
+hyperparameters environment layout notes replayed seconds``, ``world`` (each run's world
+size there, 0 for one process), ``strict``, ``measurements measurements_step
+measured_steps`` (what differs in wall-clock and other measurements only) and
+``encoded_steps`` (steps equal as values, not as bytes). plot: ``run file``.
 followers: ``run followers forgotten``. snapshot: ``run snapshot`` (null when nothing was
 new; then also ``deleted truncated_before``, what the retention options given did).
-snapshotter: ``run written``. verify: ``run findings`` (each: ``subject status detail``),
+snapshotter: ``run written``. publish: ``run dtype published keyframes last_version
+payload_bytes``. verify: ``run findings`` (each: ``subject status detail``),
 plus what else the patrol reports (``damaged`` records, ``failed_snapshots``, ``unreachable``).
 
 Process-wide tuning happens here only, in the CLI's own process: ``main()`` fixes glibc's
@@ -57,12 +61,13 @@ from rewind.cli.commands_bisect import bisect_cmd
 from rewind.cli.commands_demo import demo
 from rewind.cli.commands_recovery import export, recover, replay_cmd
 from rewind.cli.commands_snapshots import snapshot, snapshotter_cmd, verify
+from rewind.cli.commands_weights import publish
 from rewind.cli.common import CHECK_FAILED, ERROR, OK, address_of, help_text
 from rewind.cli.output import say, table_lines
 
 __all__ = [
     "CHECK_FAILED", "ERROR", "OK", "address_of", "app", "demo", "diff", "export", "followers",
-    "history", "history_lines", "main", "plot", "recover", "replay_cmd", "run", "say", "snapshot",
+    "history", "history_lines", "main", "plot", "publish", "recover", "replay_cmd", "run", "say", "snapshot",
     "snapshotter_cmd", "table_lines", "verify",
 ]
 
@@ -71,7 +76,7 @@ _COMMANDS: list[tuple[str, Callable[..., int]]] = [  # in the order of --help
     ("replay", replay_cmd), ("recover", recover), ("export", export), ("history", history), ("diff", diff),
     ("bisect", bisect_cmd),
     ("plot", plot), ("followers", followers), ("snapshot", snapshot), ("snapshotter", snapshotter_cmd),
-    ("verify", verify), ("demo", demo),
+    ("verify", verify), ("publish", publish), ("demo", demo),
 ]
 for _name, _command in _COMMANDS:
     app.command(_name)(_command)
