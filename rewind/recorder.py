@@ -30,7 +30,7 @@ import torch
 from eventlog import intraop, statecodec, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.backends import RunAddress
-from eventlog.capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
+from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
 from eventlog.commit.pipeline import SMALL_KINDS, CommitPipeline
 from eventlog.digests import shard_digest, tensor_digest
 from eventlog.errors import ConfigError, RewindError, RunNotFoundError, StaleVersionError
@@ -61,11 +61,14 @@ _logger = logging.getLogger(__name__)
 class Recorder:
     """Records a training run's state transitions; restores them after a crash.
 
-    ``objects`` are ``Stateful``: ``model`` and ``optimizer`` go to the tensor shards,
-    ``scheduler``, ``sampler``, the global RNGs (``rng=True``) and every ``extra`` object
-    are small states. The tensors in each ``buffers`` object's state (a replay buffer, say)
-    go to the tensor shards too, as XOR deltas: a commit writes only the chunks that
-    changed since the previous version. Use as a context manager, or call ``close()``.
+    ``objects`` are ``Stateful``. The tensors of ``model``, ``optimizer``, every ``extra``
+    object (a target network, a normalizer; but those under 16 KiB, such as RNG states:
+    ``eventlog.capture.INLINE_TENSOR_BYTES``) and every ``buffers`` object (a replay buffer)
+    go to the tensor shards as XOR deltas: a commit writes only the chunks that changed
+    since the previous version. The rest of their states, and ``scheduler``, ``sampler``, the
+    global RNGs (``rng=True``) and every ``small`` object (counters, RNG and generator
+    states: what changes whole at every commit), are small states (msgpack). Use as a
+    context manager, or call ``close()``.
 
     ``restore()`` loads the newest sealed version: from the newest valid snapshot plus the
     versions after it in the log (through ``replayer.replay``). ``snapshots`` (a trigger such
@@ -98,6 +101,7 @@ class Recorder:
         extra: Mapping[str, Stateful] | None = None,
         *,
         buffers: Mapping[str, Stateful] | None = None,
+        small: Mapping[str, Stateful] | None = None,
         shards: int | None = None,
         writer_id: str | None = None,
         max_inflight: int | None = None,
@@ -116,8 +120,12 @@ class Recorder:
             # Its names are the wrapped model's prefixed with "module.": recorded without the
             # wrapper, a run restores, follows and exports into the plain model.
             model = model.module
-        self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng, extra, buffers)
-        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(buffers or {})
+        self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng,
+                                          {"extra": extra, "buffer": buffers, "small": small})
+        # A version recorded with an object's tensors inside its small state (as ``small``
+        # objects are) restores all the same: its skeleton holds no references.
+        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(extra or {}) | frozenset(buffers or {})
+        self._inline_roles = frozenset(extra or {})  # their small tensors stay in their small state
         settings = settings or current()
         shards = settings.shards if shards is None else shards
         max_inflight = settings.max_inflight if max_inflight is None else max_inflight
@@ -205,7 +213,8 @@ class Recorder:
         if self._group is None:
             tensors, small = self._capture()
         else:
-            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world)
+            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world,
+                                       inline=self._inline_roles)
             tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         with warned_wait(lambda: f"a free slot to stage the commit of step {step} of run {self.run_id!r} "
@@ -339,7 +348,7 @@ class Recorder:
         for name, obj in self._objects.items():
             tree = obj.state_dict()
             if name in self._tensor_roles:
-                found, tree = flatten(name, tree)
+                found, tree = flatten(name, tree, INLINE_TENSOR_BYTES if name in self._inline_roles else 0)
                 tensors.update(found)
             small[name] = statecodec.pack(tree)
         return tensors, small
@@ -477,10 +486,10 @@ class Recorder:
         return _restored(*restored, t0)
 
 
-def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapping[str, Stateful] | None,
-                      buffers: Mapping[str, Stateful] | None) -> dict[str, Stateful]:
+def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool,
+                      named: Mapping[str, Mapping[str, Stateful] | None]) -> dict[str, Stateful]:
     """The recorded objects by name: the model, optimizer, scheduler and sampler given (in
-    ``roles``), the global RNGs, then each ``extra`` and ``buffers`` object."""
+    ``roles``), the global RNGs, then each named object (``named``: by kind, e.g. ``extra``)."""
     objects: dict[str, Stateful] = {}
     for name, obj in zip(_ROLES, roles, strict=True):
         if obj is None:
@@ -492,7 +501,7 @@ def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapp
         objects[name] = obj
     if rng:
         objects["rng"] = GlobalRng()
-    for kind, given in (("extra", extra), ("buffer", buffers)):
+    for kind, given in named.items():
         for name, obj in (given or {}).items():
             if name in objects or name in (*_ROLES, "rng", PROVENANCE):
                 raise ConfigError(f"{kind} state name {name!r} is reserved or used twice")

@@ -5,6 +5,8 @@
 * ``rewind.integrations.hf``: the Hugging Face ``Trainer`` (``rewind[hf]``).
 * ``rewind.integrations.lightning``: Lightning (``rewind[lightning]``).
 
-Each adapter resumes a killed run so that it continues as the uninterrupted run would have,
-bit for bit.
+They share ``rewind.integrations.base``: the same arguments (``run``, ``every``, ``extra``,
+``snapshots``, ``settings``, ``predictive``) and one rule for when a commit is due
+(``Cadence``). Each adapter resumes a killed run so that it continues as the uninterrupted
+run would have, bit for bit.
 """
