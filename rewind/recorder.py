@@ -407,13 +407,16 @@ class Recorder:
         job.steps = []  # a prediction holds the gradients until it has logged them; then they may be freed
         encode_seconds = time.perf_counter() - t_encode
 
+        # A small state this process no longer records (restored with fewer objects) stays in
+        # the version as the fold keeps it: carried forward, so the seal's digest covers it.
+        small = {**prev.small, **job.small}
         layout, head = prev.layout, list[Body]()
         if relayout:
-            layout = pipe.layout_event(specs, job.small)
+            layout = pipe.layout_event(specs, small)
             head.append(layout)
             if version == 1 and job.environment is not None:
                 head.append(job.environment)
-        control = pipe.control_events(head, job.small, job.metrics)
+        control = pipe.control_events(head, small, job.metrics)
         raw = sum(len(b) for b in job.staged.values())
         # Events are written as they are encoded, so their gsns are claimed before it is known
         # which chunks changed: the most the version can have; the rest are never used.
@@ -437,11 +440,11 @@ class Recorder:
             enc = residual + (prediction.grad_bytes if prediction else 0)
             codec = pipe.codec(prediction, why_not)
             control.append(pipe.seal(base, emit.shard_counts, len(control),
-                                     [shard_digest(d) for d in tensor_digests], job.small, codec, raw, enc))
+                                     [shard_digest(d) for d in tensor_digests], small, codec, raw, enc))
             for event in control:
                 emit(CONTROL, event)
         gsn = emit.gsn
-        pipe.advance(job.staged, specs, chunk_digests, dict(job.small), version, gsn - 1)
+        pipe.advance(job.staged, specs, chunk_digests, small, version, gsn - 1)
         prev.layout = layout
         return CommitResult(version, job.step, gsn - emit.first, raw, enc, time.perf_counter() - t0, codec,
                             residual, encode_seconds)

@@ -491,3 +491,28 @@ def test_a_log_outage_pauses_trainer_snapshots_and_the_next_version_is_snapshott
         result = rec.restore()
     assert (result.snapshot_version, result.version, result.tail) == (3, 4, 1)
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_run_restored_with_fewer_objects_keeps_the_others_states_and_verifies(tmp_path: Path) -> None:
+    """A restart that records fewer objects (no scheduler now) still seals versions a replay
+    verifies: the states it no longer records are carried forward, as the fold keeps them."""
+    db = tmp_path / "rewind.db"
+    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "fewer")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    with Recorder(address, model, opt, sched) as rec:
+        for step in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            sched.step()
+            rec.commit(step, wait=True)
+    with Recorder(address, model, opt) as rec:
+        assert rec.restore().version == 2
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        rec.commit(2, wait=True)
+    state, _ = replay(address, Target.parse("latest"))
+    assert state.version == 3
+    assert "scheduler" in state.small.states
