@@ -72,7 +72,7 @@ def _loop(storage: str, scratch: str | None = None, buffer: int = BUFFER, frames
                         spec=env.action_spec)
     greedy = EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=frames * 20)
     loss = DQNLoss(actor, action_space=env.action_spec, delay_value=True)
-    updater: TargetNetUpdater = (HardUpdate(loss, value_network_update_interval=5) if storage == "tensor"
+    updater: TargetNetUpdater = (HardUpdate(loss, value_network_update_interval=4) if storage == "tensor"
                                  else SoftUpdate(loss, eps=0.9))
     optimizer = torch.optim.Adam(loss.parameters(), lr=1e-3)
     collector = Collector(env, TensorDictSequential(actor, greedy), frames_per_batch=frames,
@@ -112,6 +112,14 @@ def _digests(loop: _Loop) -> dict[str, str]:
     return {k: hashlib.sha256(v).hexdigest() for k, v in items.items()}
 
 
+def _files(loop: _Loop) -> list[str]:
+    """The files of a memmap storage's tensors (none for a storage in memory)."""
+    store = loop.buffer._storage._storage
+    if not isinstance(loop.buffer._storage, LazyMemmapStorage) or store is None:
+        return []
+    return sorted(str(t.filename) for t in store.values(True, True))
+
+
 def _child(cfg: dict[str, Any]) -> None:
     """One trainer process: the loop a TorchRL user writes, with ``RewindTorchRL`` in it when
     ``cfg["record"]``; SIGKILLs itself at ``cfg["kill_at"]`` (``[iteration, where]``)."""
@@ -128,7 +136,7 @@ def _child(cfg: dict[str, Any]) -> None:
         found = rewind.restored if rewind is not None else None
         Path(cfg["out"] + ".restored").write_text(json.dumps({
             "fresh": found is None or found.fresh, "t": start, "full": len(loop.buffer) == BUFFER,
-            "snapshot": found is not None and found.snapshot is not None}))
+            "snapshot": found is not None and found.snapshot is not None, "files": _files(loop)}))
 
         def kill(i: int, where: str) -> None:
             if cfg["kill_at"] == [i, where]:
@@ -186,6 +194,10 @@ def test_dqn_on_cartpole_killed_three_times_ends_bit_equal(
     assert restored[-1]["full"]  # resumed with a buffer that had wrapped
     if storage == "memmap":
         assert any(r["snapshot"] for r in restored)  # the buffer came back from a snapshot + the log tail
+        # Each resume refilled the storage's own files, in its scratch_dir (the contents were recorded).
+        scratch = base["scratch"] + os.sep
+        for found in restored[1:]:
+            assert found["files"] and all(f.startswith(scratch) for f in found["files"]), found["files"]
 
 
 def test_a_commit_logs_the_rows_added_not_the_buffer(tmp_path: Path) -> None:
@@ -209,6 +221,22 @@ def test_a_commit_logs_the_rows_added_not_the_buffer(tmp_path: Path) -> None:
     # compress), a small part of even the smaller buffer.
     assert all(0.25 * 64 * row < b < 1.5 * 64 * row for b in per_commit[1_000] + per_commit[8_000])
     assert max(per_commit[8_000]) < 1.25 * min(per_commit[1_000])
+
+
+def test_the_last_iteration_is_committed_and_a_finished_run_trains_nothing(tmp_path: Path) -> None:
+    url = f"sqlite://{tmp_path / 'rewind.db'}"
+    torch.set_num_threads(1)
+    steps = []
+    for _ in range(2):
+        loop = _loop("tensor", iterations=6)
+        with RewindTorchRL(RunAddress(url, url, "done"), collector=loop.collector, loss=loop.loss,
+                           optimizers=loop.optimizer, buffer=loop.buffer, every=4) as rewind:
+            for i, data in enumerate(loop.collector, rewind.restore()):
+                loop.buffer.extend(data)
+                if (future := rewind.step(i)) is not None:
+                    steps.append(future.result().step)
+    assert steps == [4, 6]  # every 4 iterations, and the 6th: the collector's total_frames
+    assert rewind.restored is not None and rewind.restored.step == 6 and len(loop.buffer) == 6 * FRAMES
 
 
 def test_what_cannot_be_restored_exactly_is_refused(tmp_path: Path) -> None:
