@@ -1,8 +1,9 @@
 """TorchRL through ``rewind.integrations.torchrl``: a DQN loop on CartPole (``Collector``,
 ``ReplayBuffer``, ``DQNLoss`` with a target network, ``HardUpdate`` or ``SoftUpdate``, an
-annealed epsilon-greedy policy) SIGKILLed at three points of an iteration and resumed each
-time ends bit-equal to the same loop never interrupted and logs the same losses after every
-kill, with its buffer on a ``LazyTensorStorage`` or a ``LazyMemmapStorage``; a commit's
+annealed epsilon-greedy policy), and a SAC loop on Pendulum, SIGKILLed at three points of an
+iteration and resumed each time end bit-equal to the same loop never interrupted and log the
+same losses after every kill, with the buffer on a ``LazyTensorStorage`` or a
+``LazyMemmapStorage``; a commit's
 replay-buffer bytes follow the rows added, not the buffer's size; what cannot be restored
 exactly is refused."""
 
@@ -14,6 +15,7 @@ import multiprocessing
 import os
 import random
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,12 +23,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tensordict.nn import TensorDictSequential
+from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictSequential
 from torchrl.collectors import Collector
 from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, ReplayBuffer
 from torchrl.envs import GymEnv, SerialEnv, StepCounter, TransformedEnv
-from torchrl.modules import MLP, EGreedyModule, QValueActor
-from torchrl.objectives import DQNLoss, HardUpdate, SoftUpdate
+from torchrl.modules import MLP, EGreedyModule, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
+from torchrl.objectives import DQNLoss, HardUpdate, LossModule, SACLoss, SoftUpdate
 from torchrl.objectives.utils import TargetNetUpdater
 
 from eventlog import RunAddress
@@ -48,38 +50,74 @@ UPDATES = 2  # optimizer steps per iteration
 @dataclass
 class _Loop:
     env: TransformedEnv
-    greedy: EGreedyModule
-    loss: DQNLoss
+    loss: LossModule
     updater: TargetNetUpdater
-    optimizer: torch.optim.Optimizer
+    optimizers: dict[str, torch.optim.Optimizer]
     collector: Collector
     buffer: ReplayBuffer
+    explore: Callable[[int], None]  # after each batch: the exploration's annealing
 
 
-def _make_env() -> TransformedEnv:
-    env = TransformedEnv(GymEnv("CartPole-v1"), StepCounter())
+def _make_env(name: str = "CartPole-v1") -> TransformedEnv:
+    env = TransformedEnv(GymEnv(name), StepCounter())
     env.set_seed(0)
     return env
 
 
-def _loop(storage: str, scratch: str | None = None, buffer: int = BUFFER, frames: int = FRAMES,
-          iterations: int = ITERATIONS) -> _Loop:
-    torch.manual_seed(0)
-    np.random.seed(0)
-    random.seed(0)
-    env = _make_env()
+_Parts = tuple[Any, LossModule, TargetNetUpdater, dict[str, torch.optim.Optimizer], Callable[[int], None]]
+
+
+def _dqn(env: TransformedEnv, frames: int, hard: bool) -> _Parts:
     actor = QValueActor(MLP(in_features=4, out_features=2, num_cells=[16]), in_keys=["observation"],
                         spec=env.action_spec)
     greedy = EGreedyModule(env.action_spec, eps_init=1.0, eps_end=0.05, annealing_num_steps=frames * 20)
     loss = DQNLoss(actor, action_space=env.action_spec, delay_value=True)
-    updater: TargetNetUpdater = (HardUpdate(loss, value_network_update_interval=4) if storage == "tensor"
-                                 else SoftUpdate(loss, eps=0.9))
-    optimizer = torch.optim.Adam(loss.parameters(), lr=1e-3)
-    collector = Collector(env, TensorDictSequential(actor, greedy), frames_per_batch=frames,
-                          total_frames=frames * iterations, auto_register_policy_transforms=False)
+    updater = HardUpdate(loss, value_network_update_interval=4) if hard else SoftUpdate(loss, eps=0.9)
+    return (TensorDictSequential(actor, greedy), loss, updater,
+            {"optimizer": torch.optim.Adam(loss.parameters(), lr=1e-3)}, greedy.step)
+
+
+def _sac(env: TransformedEnv) -> _Parts:
+    net = torch.nn.Sequential(MLP(in_features=3, out_features=2, num_cells=[16]), NormalParamExtractor())
+    policy = ProbabilisticActor(TensorDictModule(net, in_keys=["observation"], out_keys=["loc", "scale"]),
+                                in_keys=["loc", "scale"], spec=env.action_spec, distribution_class=TanhNormal,
+                                distribution_kwargs={"low": -2.0, "high": 2.0})
+    q = ValueOperator(MLP(in_features=4, out_features=1, num_cells=[16]), in_keys=["observation", "action"])
+    loss = SACLoss(policy, q, num_qvalue_nets=2)
+    optimizers = {"actor": torch.optim.Adam(loss.actor_network_params.flatten_keys().values(), lr=1e-3),
+                  "critic": torch.optim.Adam(loss.qvalue_network_params.flatten_keys().values(), lr=1e-3),
+                  "alpha": torch.optim.Adam([loss.log_alpha], lr=1e-3)}
+    return policy, loss, SoftUpdate(loss, tau=0.05), optimizers, lambda frames: None
+
+
+def _loop(algo: str, storage: str, scratch: str | None = None, buffer: int = BUFFER, frames: int = FRAMES,
+          iterations: int = ITERATIONS) -> _Loop:
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    env = _make_env("CartPole-v1" if algo == "dqn" else "Pendulum-v1")
+    policy, loss, updater, optimizers, explore = (_dqn(env, frames, hard=storage == "tensor") if algo == "dqn"
+                                                  else _sac(env))
+    collector = Collector(env, policy, frames_per_batch=frames, total_frames=frames * iterations,
+                          auto_register_policy_transforms=False)
     store = (LazyTensorStorage(buffer) if storage == "tensor"
              else LazyMemmapStorage(buffer, scratch_dir=scratch, existsok=True))
-    return _Loop(env, greedy, loss, updater, optimizer, collector, ReplayBuffer(storage=store, batch_size=8))
+    buffer_ = ReplayBuffer(storage=store, batch_size=8)
+    return _Loop(env, loss, updater, optimizers, collector, buffer_, explore)
+
+
+def _update(loop: _Loop, kill: Callable[[], None]) -> float:
+    """One optimizer step of every optimizer on a sampled batch; returns the summed loss."""
+    out = loop.loss(loop.buffer.sample())
+    value = sum(v for k, v in out.items() if k.startswith("loss"))
+    for opt in loop.optimizers.values():
+        opt.zero_grad()
+    value.backward()
+    kill()
+    for opt in loop.optimizers.values():
+        opt.step()
+    loop.updater.step()
+    return float(value.item())
 
 
 def _digests(loop: _Loop) -> dict[str, str]:
@@ -88,11 +126,12 @@ def _digests(loop: _Loop) -> dict[str, str]:
     for prefix, module in (("loss", loop.loss), ("policy", loop.collector.policy)):
         for k, t in module.state_dict().items():
             items[f"{prefix}/{k}"] = t.numpy().tobytes()
-    sd = loop.optimizer.state_dict()
-    for i, s in sd["state"].items():
-        for k, t in s.items():
-            items[f"adam/{i}/{k}"] = t.numpy().tobytes()
-    items["adam/groups"] = repr(sd["param_groups"]).encode()
+    for name, opt in loop.optimizers.items():
+        sd = opt.state_dict()
+        for i, s in sd["state"].items():
+            for k, t in s.items():
+                items[f"{name}/{i}/{k}"] = t.numpy().tobytes()
+        items[f"{name}/groups"] = repr(sd["param_groups"]).encode()
     items["updater"] = repr(loop.updater.state_dict()).encode()
     items["rng/torch"] = torch.get_rng_state().numpy().tobytes()
     items["rng/numpy"] = repr(np.random.get_state()).encode()
@@ -125,12 +164,12 @@ def _child(cfg: dict[str, Any]) -> None:
     ``cfg["record"]``; SIGKILLs itself at ``cfg["kill_at"]`` (``[iteration, where]``)."""
     with reporting(cfg):
         torch.set_num_threads(1)
-        loop = _loop(cfg["storage"], cfg.get("scratch"))
+        loop = _loop(cfg["algo"], cfg["storage"], cfg.get("scratch"))
         rewind = None
         if cfg["record"]:
             snapshots = every_versions(cfg["snapshot_every"]) if cfg.get("snapshot_every") else None
             rewind = RewindTorchRL(RunAddress(cfg["url"], cfg["url"], cfg["run"]), collector=loop.collector,
-                                   loss=loop.loss, optimizers=loop.optimizer, buffer=loop.buffer,
+                                   loss=loop.loss, optimizers=loop.optimizers, buffer=loop.buffer,
                                    updater=loop.updater, every=EVERY, snapshots=snapshots)
         start = rewind.restore() if rewind is not None else 0
         found = rewind.restored if rewind is not None else None
@@ -145,16 +184,8 @@ def _child(cfg: dict[str, Any]) -> None:
         for i, data in enumerate(loop.collector, start):
             kill(i, "collected")
             loop.buffer.extend(data)
-            losses = []
-            for _ in range(UPDATES):
-                value = loop.loss(loop.buffer.sample())["loss"]
-                loop.optimizer.zero_grad()
-                value.backward()
-                kill(i, "backward")
-                loop.optimizer.step()
-                loop.updater.step()
-                losses.append(value.item())
-            loop.greedy.step(data.numel())
+            losses = [_update(loop, lambda: kill(i, "backward")) for _ in range(UPDATES)]  # noqa: B023
+            loop.explore(data.numel())
             with open(cfg["losses"], "a") as f:
                 f.write(json.dumps({"seg": cfg["seg"], "t": i, "train": losses}) + "\n")
             if rewind is not None:
@@ -179,13 +210,15 @@ def _check(restored: list[dict[str, Any]], kills: list[list[Any]]) -> None:
         assert not found["fresh"] and kill_at - 3 * EVERY <= found["t"] <= kill_at + 1
 
 
-@pytest.mark.parametrize("storage", ["tensor", "memmap"])
-def test_dqn_on_cartpole_killed_three_times_ends_bit_equal(
-    trainers: multiprocessing.context.ForkServerContext, tmp_path: Path, storage: str,
+@pytest.mark.parametrize(("algo", "storage"), [("dqn", "tensor"), ("dqn", "memmap"), ("sac", "tensor")])
+def test_a_loop_killed_three_times_ends_bit_equal(
+    trainers: multiprocessing.context.ForkServerContext, tmp_path: Path, algo: str, storage: str,
 ) -> None:
+    """DQN on CartPole with HardUpdate (LazyTensorStorage) or SoftUpdate (LazyMemmapStorage),
+    SAC on Pendulum with three optimizers and SoftUpdate."""
     # In an update, right after a commit, and as a batch arrives (the buffer has wrapped).
     kills = [[9, "backward"], [17, "committed"], [25, "collected"]]
-    base: dict[str, Any] = {"storage": storage, "scratch": str(tmp_path / "scratch")}
+    base: dict[str, Any] = {"algo": algo, "storage": storage, "scratch": str(tmp_path / "scratch")}
     if storage == "memmap":
         base["snapshot_every"] = 3
     restored, expected = kill_chain(trainers, _child, tmp_path, base, kills)
@@ -206,9 +239,9 @@ def test_a_commit_logs_the_rows_added_not_the_buffer(tmp_path: Path) -> None:
     torch.set_num_threads(1)
     per_commit = {}
     for size in (1_000, 8_000):
-        loop = _loop("tensor", buffer=size, frames=64, iterations=6)
+        loop = _loop("dqn", "tensor", buffer=size, frames=64, iterations=6)
         with RewindTorchRL(RunAddress(url, url, f"b{size}"), collector=loop.collector, loss=loop.loss,
-                           optimizers=loop.optimizer, buffer=loop.buffer, every=1) as rewind:
+                           optimizers=loop.optimizers, buffer=loop.buffer, every=1) as rewind:
             for i, data in enumerate(loop.collector):
                 loop.buffer.extend(data)
                 rewind.step(i)
@@ -228,9 +261,9 @@ def test_the_last_iteration_is_committed_and_a_finished_run_trains_nothing(tmp_p
     torch.set_num_threads(1)
     steps = []
     for _ in range(2):
-        loop = _loop("tensor", iterations=6)
+        loop = _loop("dqn", "tensor", iterations=6)
         with RewindTorchRL(RunAddress(url, url, "done"), collector=loop.collector, loss=loop.loss,
-                           optimizers=loop.optimizer, buffer=loop.buffer, every=4) as rewind:
+                           optimizers=loop.optimizers, buffer=loop.buffer, every=4) as rewind:
             for i, data in enumerate(loop.collector, rewind.restore()):
                 loop.buffer.extend(data)
                 if (future := rewind.step(i)) is not None:
@@ -242,8 +275,8 @@ def test_the_last_iteration_is_committed_and_a_finished_run_trains_nothing(tmp_p
 def test_what_cannot_be_restored_exactly_is_refused(tmp_path: Path) -> None:
     url = f"sqlite://{tmp_path / 'rewind.db'}"
     address = RunAddress(url, url, "refused")
-    loop = _loop("tensor")
-    args: dict[str, Any] = {"collector": loop.collector, "loss": loop.loss, "optimizers": loop.optimizer}
+    loop = _loop("dqn", "tensor")
+    args: dict[str, Any] = {"collector": loop.collector, "loss": loop.loss, "optimizers": loop.optimizers}
     cases = [
         ({"buffer": ReplayBuffer(storage=ListStorage(10))}, "LazyMemmapStorage, not ListStorage"),
         ({"buffer": ReplayBuffer(storage=LazyTensorStorage(10), batch_size=4, prefetch=2)}, "prefetches"),
