@@ -25,7 +25,13 @@ import pytest
 import torch
 from tensordict.nn import NormalParamExtractor, TensorDictModule, TensorDictSequential
 from torchrl.collectors import Collector
-from torchrl.data import LazyMemmapStorage, LazyTensorStorage, ListStorage, ReplayBuffer
+from torchrl.data import (
+    LazyMemmapStorage,
+    LazyTensorStorage,
+    ListStorage,
+    ReplayBuffer,
+    TensorDictPrioritizedReplayBuffer,
+)
 from torchrl.envs import GymEnv, SerialEnv, StepCounter, TransformedEnv
 from torchrl.modules import MLP, EGreedyModule, ProbabilisticActor, QValueActor, TanhNormal, ValueOperator
 from torchrl.objectives import DQNLoss, HardUpdate, LossModule, SACLoss, SoftUpdate
@@ -280,6 +286,8 @@ def test_what_cannot_be_restored_exactly_is_refused(tmp_path: Path) -> None:
     cases = [
         ({"buffer": ReplayBuffer(storage=ListStorage(10))}, "LazyMemmapStorage, not ListStorage"),
         ({"buffer": ReplayBuffer(storage=LazyTensorStorage(10), batch_size=4, prefetch=2)}, "prefetches"),
+        ({"buffer": TensorDictPrioritizedReplayBuffer(alpha=0.7, beta=0.5, storage=LazyTensorStorage(10))},
+         "cannot record the replay buffer's PrioritizedSampler"),
         ({"every": 0}, "every=0"),
         ({"extra": {"collector": loop.updater}}, "'collector' is the adapter's own"),
     ]

@@ -26,7 +26,9 @@ other processes or threads (``MultiSyncCollector``, ``MultiAsyncCollector``,
 ``AsyncCollector``, a started ``Collector``), batched envs (``ParallelEnv``, ``SerialEnv``) and
 gymnasium vector envs, a collector that yields whole trajectories (``trajs_per_batch``), and a
 replay buffer whose state is not tensors in one storage dimension (``ListStorage``,
-``ndim > 1``) or that prefetches in threads.
+``ndim > 1``), whose sampler's state is not tensors and plain data (``PrioritizedSampler``'s
+segment trees), or that prefetches in threads. A ``LazyMemmapStorage`` resumes into its own
+``scratch_dir``: give it ``existsok=True`` (or a new directory) to reuse one a killed run left.
 
 Use, in the loop a TorchRL user writes::
 
@@ -57,16 +59,17 @@ from torchrl.envs.batched_envs import BatchedEnvBase
 from torchrl.objectives import LossModule
 from torchrl.objectives.utils import TargetNetUpdater
 
+from eventlog import statecodec
 from eventlog.backends import RunAddress
-from eventlog.capture import Stateful
-from eventlog.errors import ConfigError, RewindError
+from eventlog.capture import Stateful, flatten
+from eventlog.errors import ConfigError, DecodeError, RewindError
 from eventlog.settings import Settings
 from rewind.recorder import Recorder
 from rewind.results import CommitResult, RestoreResult
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
 
-_OWN = ("modules", "optimizers", "updater", "collector", "replay_buffer")
+_OWN = ("collector", "updater", "replay_buffer")  # the small states and buffer this adapter names
 _KIND = "__rewind_torchrl__"  # marks a recorded value plain msgpack data cannot say on its own
 _OMIT = object()  # not plain data: not recorded (specs, callables, sub-envs, spaces)
 _BIT_GENERATORS = ("PCG64", "PCG64DXSM", "MT19937", "Philox", "SFC64")
@@ -194,6 +197,12 @@ class _ReplayBufferState:
         if buffer._prefetch:
             raise ConfigError("RewindTorchRL cannot record a replay buffer that prefetches (prefetch=...): "
                               "its queued samples are drawn ahead in threads")
+        for part in (buffer._sampler, buffer._writer):
+            try:
+                statecodec.pack(flatten(type(part).__name__, part.state_dict())[1])
+            except DecodeError as exc:
+                raise ConfigError(f"RewindTorchRL cannot record the replay buffer's {type(part).__name__}: "
+                                  f"its state_dict is not tensors and plain data ({exc})") from exc
         self.buffer, self.storage = buffer, storage
 
     def state_dict(self) -> dict[str, Any]:
@@ -305,8 +314,6 @@ class RewindTorchRL:
     ``commit(i)`` commits now. ``snapshots``, ``settings`` and ``predictive`` are passed to the
     ``Recorder`` (the predictive codec is off by default: a version holds several updates).
     """
-
-    owner = "RewindTorchRL"
 
     def __init__(
         self,
