@@ -1,4 +1,4 @@
-"""The README's Python code runs as written.
+"""The README's Python code (and the integrations guide's) runs as written.
 
 The trainer snippet runs twice, each time in a fresh process in an empty directory (its
 default log location): the first trains and commits with snapshots on, the second restores.
@@ -47,9 +47,14 @@ print("REPORT " + _json.dumps({
 '''
 
 
+#: The integrations' guide, whose blocks run as the README's do.
+INTEGRATIONS = README.parent / "docs" / "integrations.md"
+
+
 def python_blocks() -> list[str]:
-    """Every fenced ```python block of the README, in order."""
-    return re.findall(r"^```python\n(.*?)^```", README.read_text(encoding="utf-8"), re.M | re.S)
+    """Every fenced ```python block of the README, then of ``docs/integrations.md``, in order."""
+    return [block for doc in (README, INTEGRATIONS)
+            for block in re.findall(r"^```python\n(.*?)^```", doc.read_text(encoding="utf-8"), re.M | re.S)]
 
 
 def _trainer_snippet() -> str:
