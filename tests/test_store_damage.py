@@ -116,7 +116,9 @@ def test_a_run_id_the_runs_index_reads_as_null_is_damage_naming_the_file(copy: P
         done = _cli("verify", "--run-dir", str(copy), *named)
         assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
         assert "PROBLEMS FOUND" in done.stdout, done.stdout
-        assert f"embedded database {db} is damaged" in done.stdout, done.stdout
+        # The text report names the run's directory once and the file within it (80 columns).
+        assert f"paths below are in {copy})" in done.stdout, done.stdout
+        assert "embedded database rewind.db is damaged" in done.stdout, done.stdout
 
 
 def test_a_writer_whose_row_its_index_lost_registers_past_every_epoch(copy: Path) -> None:
