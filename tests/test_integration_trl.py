@@ -1,10 +1,11 @@
-"""TRL ``GRPOTrainer`` with ``rewind.integrations.trl.RewindTRLCallback``: a run SIGKILLed
+"""TRL with ``rewind.integrations.trl.RewindTRLCallback``: a ``GRPOTrainer`` run SIGKILLed
 while it samples completions, between the micro-batches of a gradient accumulation, and
 after a durable commit, resumed through ``train()``, logs the uninterrupted run's loss,
 reward and gradient norm at every step after each resume (bit for bit), and ends bit-equal
-to it (weights, optimizer, scheduler, RNGs). So does a run that trains several optimizer
-steps on one generation of completions, which TRL buffers and does not save. An ``every``
-that would commit inside such a buffer is refused.
+to it (weights, optimizer, scheduler, RNGs). So do a run that trains several optimizer
+steps on one generation of completions, which TRL buffers and does not save, and an
+``RLOOTrainer`` run that does the same. An ``every`` that would commit inside such a
+buffer is refused.
 
 The model is a tiny GPT-2 built from a config, with a character-level tokenizer built in
 the test (no downloads); completions are sampled by ``transformers`` generation on CPU."""
@@ -32,7 +33,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
-from trl import GRPOConfig, GRPOTrainer
+from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 from rewind import RunAddress
 from rewind.integrations.trl import RewindTRLCallback
 from tests.forked import case_exits, case_streams, run_streams, trainer_digests
@@ -108,17 +109,18 @@ class Observer(TrainerCallback):
 def segment(case, run, kill, out):
     torch.set_num_threads(1)  # the streams run side by side
     model, tokenizer = tiny_policy()  # dropout (0.1) draws from the RNGs as it trains
-    args = GRPOConfig(
+    config, trainer_class = (RLOOConfig, RLOOTrainer) if case.get("rloo") else (GRPOConfig, GRPOTrainer)
+    args = config(
         output_dir=os.path.join(cfg["tmp"], "out"), per_device_train_batch_size=4,
         gradient_accumulation_steps=2, steps_per_generation=case["steps_per_generation"],
         num_generations=4, max_completion_length=6, max_steps=case["steps"], learning_rate=1e-2,
         max_grad_norm=0.5, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
-        seed=5, disable_tqdm=True, use_vllm=False)
+        seed=5, disable_tqdm=True, use_vllm=False, beta=0.0)
     db = f"sqlite://{os.path.join(cfg['tmp'], run + '.db')}"
     rewind = RewindTRLCallback(RunAddress(db, db, run))
     observer = Observer(out, kill, rewind)
     observer.watch(model)
-    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args,
+    trainer = trainer_class(model=model, reward_funcs=reward, args=args,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
                           processing_class=tokenizer, callbacks=[rewind, observer])
     trainer.remove_callback(PrinterCallback)
@@ -145,6 +147,9 @@ CASES: dict[str, dict[str, Any]] = {
     # in the middle of a buffer resumes at its start and samples it again, as the run did.
     "buffered": {"steps_per_generation": 4, "steps": 12, "block": 2,
                  "kills": [["step_end", 5], ["generate", 6], ["substep_end", 9]]},
+    # RLOOTrainer buffers its completions the same way.
+    "rloo": {"rloo": True, "steps_per_generation": 4, "steps": 8, "block": 2,
+             "kills": [["step_end", 3], ["generate", 4]]},
 }
 
 

@@ -33,7 +33,7 @@ a resumed run as long as the script builds the same initial model; and ``log_his
 (HF limits). The metrics the trainer averages between two logs (``logging_steps`` above 1)
 start afresh after a resume, as after TRL's own: every logged value is the uninterrupted
 run's when ``logging_steps`` divides ``every``. ``RLOOTrainer`` buffers its completions as
-``GRPOTrainer`` does and gets the same rule (the tests train ``GRPOTrainer``). Offline
+``GRPOTrainer`` does and gets the same rule. Offline
 trainers (``DPOTrainer``, ``SFTTrainer``, ``RewardTrainer``) draw no completions: the HF
 ``RewindCallback`` records them as it records any ``Trainer``.
 """
@@ -91,25 +91,27 @@ class RewindTRLCallback(RewindCallback):
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                        **kwargs: Any) -> None:
-        self._check_generation(args)
-        block = steps_per_buffer(args)
-        asked = self._asked_every
-        if asked is not None and asked % block:
-            per_generation = getattr(args, "steps_per_generation", None)
-            iterations, accumulate = getattr(args, "num_iterations", 1), args.gradient_accumulation_steps
-            raise ConfigError(
-                f"RewindTRLCallback(every={asked}): the trainer uses one generation of completions for "
+        refusal = self._refusal(args)
+        if refusal is not None:
+            self._remove_resume_dir()
+            raise ConfigError(refusal)
+        self._every = steps_per_buffer(args) if self._asked_every is None else self._asked_every
+        super().on_train_begin(args, state, control, **kwargs)
+
+    def _refusal(self, args: TrainingArguments) -> str | None:
+        """Why this run cannot be resumed exactly (``None``: it can)."""
+        if getattr(args, "use_vllm", False):
+            return ("RewindTRLCallback: use_vllm=True samples completions in another process, whose RNG "
+                    "is not recorded: generate with transformers (use_vllm=False)")
+        if getattr(args, "use_adaptive_entropy", False):
+            return ("RewindTRLCallback: use_adaptive_entropy=True keeps a coefficient the callback cannot "
+                    "record: use a fixed entropy_coef")
+        block, asked = steps_per_buffer(args), self._asked_every
+        if asked is None or asked % block == 0:
+            return None
+        per_generation = getattr(args, "steps_per_generation", None)
+        iterations, accumulate = getattr(args, "num_iterations", 1), args.gradient_accumulation_steps
+        return (f"RewindTRLCallback(every={asked}): the trainer uses one generation of completions for "
                 f"{block} optimizer steps (steps_per_generation={per_generation}, "
                 f"num_iterations={iterations}, gradient_accumulation_steps={accumulate}), "
                 f"and a resume cannot rebuild it mid-way: commit every {block} steps or a multiple of it")
-        self._every = block if asked is None else asked
-        super().on_train_begin(args, state, control, **kwargs)
-
-    @staticmethod
-    def _check_generation(args: TrainingArguments) -> None:
-        if getattr(args, "use_vllm", False):
-            raise ConfigError("RewindTRLCallback: use_vllm=True samples completions in another process, "
-                              "whose RNG is not recorded: generate with transformers (use_vllm=False)")
-        if getattr(args, "use_adaptive_entropy", False):
-            raise ConfigError("RewindTRLCallback: use_adaptive_entropy=True keeps a coefficient the "
-                              "callback cannot record: use a fixed entropy_coef")
