@@ -111,11 +111,6 @@ class Noisy:
         self.generator.set_state(state["generator"])
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return run_driver(DRIVER, tmp_path_factory.mktemp("torchdata"), CASES)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_killed_loop_resumes_mid_epoch_bit_exactly(runs: Path, name: str) -> None:
@@ -138,6 +133,11 @@ def test_a_killed_loop_resumes_mid_epoch_bit_exactly(runs: Path, name: str) -> N
     assert began[1] < began[2] <= case["kills"][1][1] + 1
     assert all(step % case["steps_per_epoch"] for step in began[1:]), began  # mid-epoch
     assert segment[-1]["digests"] == reference[-1]["digests"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return run_driver(DRIVER, tmp_path_factory.mktemp("torchdata"), CASES)
 
 
 def _recorder(tmp_path: Path, loader: Any) -> Recorder:
