@@ -18,11 +18,48 @@ Two setups cannot resume exactly, and are refused when the ``Recorder`` is built
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from eventlog.errors import ConfigError
+
+#: Attributes that lead from a dataloader to its samplers and generators.
+_LOADER_LINKS = ("generator", "synchronized_generator", "sampler", "batch_sampler")
+
+
+def generators(loader: object) -> dict[str, torch.Generator]:
+    """Every ``torch.Generator`` reachable from ``loader`` through its samplers, by path
+    (one held in two places, by its first path)."""
+    found: dict[str, torch.Generator] = {}
+    seen: set[int] = set()
+
+    def walk(obj: object, path: str, depth: int) -> None:
+        if obj is None or id(obj) in seen or depth > 4:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Generator):
+            found[path] = obj
+            return
+        for link in _LOADER_LINKS:
+            walk(getattr(obj, link, None), f"{path}.{link}" if path else link, depth + 1)
+
+    walk(loader, "", 0)
+    return found
+
+
+def generator_states(loader: object) -> dict[str, torch.Tensor]:
+    """The state of every generator of ``loader`` (``generators``), by path."""
+    return {path: g.get_state() for path, g in generators(loader).items()}
+
+
+def load_generators(loader: object, states: Mapping[str, torch.Tensor]) -> None:
+    """Set the live generators recorded under the same path (a sampler that creates its
+    generator when it is first iterated, and seeds it then, has none yet: nothing to set)."""
+    for path, g in generators(loader).items():
+        if path in states:
+            g.set_state(states[path])
 
 
 def check_data_position(sampler: Any, rng: bool) -> None:

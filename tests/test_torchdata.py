@@ -4,10 +4,13 @@ with a commit in flight, resumes where the commit left the loader, with 0 and wi
 processes (each worker's dataset state and the workers' base seed included). Every step
 after each resume logs the uninterrupted run's loss, bit for bit, and the run ends bit-equal
 to it (model, optimizer, global RNGs, the loader's own state). Loaders that cannot resume
-exactly are refused with the reason when the ``Recorder`` is built."""
+exactly are refused with the reason when the ``Recorder`` is built. Inside the Lightning
+adapter (as a ``ResumableLoader``), a shuffling ``StatefulDataLoader`` with 2 workers and its
+own generator resumes a killed fit bit-exactly too."""
 
 from __future__ import annotations
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -169,3 +172,17 @@ def test_a_single_process_loader_shuffling_with_its_own_generator_is_refused(tmp
         "Recorder(sampler=...): the StatefulDataLoader shuffles with its own generator and no worker "
         "processes, which torchdata does not restore exactly: give the sampler its own generator "
         "(sampler=RandomSampler(data, generator=torch.Generator()))")
+
+
+@pytest.mark.slow
+def test_a_stateful_loader_with_workers_resumes_a_lightning_fit_bit_exactly(tmp_path: Path) -> None:
+    """Inside the Lightning adapter (wrapped as ``ResumableLoader``), a ``StatefulDataLoader``
+    with 2 worker processes: a fit killed twice mid-epoch repeats the uninterrupted fit's
+    batches and losses from each resume on, and ends bit-equal."""
+    from tests.test_integration_lightning import _chain, _check_chain, _fits
+
+    kills = [13, 26]
+    chain = _chain(tmp_path, "stateful", kills, sampler="stateful")
+    codes, stderr = _fits(chain)
+    assert codes == [0, -signal.SIGKILL, -signal.SIGKILL, 0], stderr[-3000:]
+    assert all(step % 10 for step in _check_chain(chain, kills)[1:])
