@@ -21,6 +21,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -127,64 +128,7 @@ def table(results: dict[str, Any]) -> Table:
                   "1.000", fmt(r.get("bf16")), "", "")
         t.add_row("", "first (FULL) commit fp32", fmt(r.get("fp32_full_commit")), "1.000", "", "", "")
     if not skipped("recovery_s"):
-        r = results["recovery_s"]
-        tail = f"snap + {r['tail_versions']} versions"
-        t.add_row("recovery_s", f"{tail}, 1 worker", fmt(r["workers_1"], "s"),
-                  fmt(r["torch_load"], "s"), fmt(_div(r["workers_1"], r["torch_load"]), "x", 2),
-                  "", "")
-        t.add_row("", f"{tail}, 2 workers", fmt(r["workers_2"], "s"), fmt(r["torch_load"], "s"),
-                  fmt(r["ratio_2_workers_vs_torch_load"], "x", 2),
-                  *verdict("recovery_2_workers_vs_torch_load"))
-        t.add_row("", "speedup 2 vs 1 workers", fmt(r["speedup_2_vs_1"], "x", 2), "", "",
-                  *verdict("replay_speedup_2_vs_1"))
-        if r.get("speedup_2_vs_1_torch_1_thread") is not None:
-            t.add_row("", f"{tail}, 1 worker, torch on 1 thread", fmt(r["workers_1_torch_1_thread"], "s"),
-                      fmt(r["torch_load"], "s"),
-                      fmt(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
-                      "", "")
-            t.add_row("", "speedup 2 workers vs that", fmt(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
-                      "", "", "", "")
-        if r.get("floor_2_workers") is not None:
-            load = r["torch_load"]
-
-            def against_load(label: str, seconds: float | None, note: str = "") -> None:
-                t.add_row("", label, fmt(seconds, "s"), fmt(load, "s"), fmt(_div(seconds, load), "x", 2), "",
-                          note)
-
-            parts = " + ".join(fmt(r[k], "s") for k in ("floor_read_2", "floor_steps_2", "floor_checks_2"))
-            against_load("floor, 1 worker: read + steps + checks", r["floor_1_worker"])
-            against_load("floor, 2 workers: read + steps + checks", r["floor_2_workers"], parts)
-            against_load("floor, 2 workers, without the checks", r["floor_unchecked_2_workers"])
-            t.add_row("", "floor speedup 2 vs 1 (a replay with no overhead)",
-                      fmt(r["floor_speedup_2_vs_1"], "x", 2), "", "", "", "")
-            t.add_row("", "2 workers' time above the floor: replay / allowed",
-                      fmt(r["overhead_2_workers_s"], "s"), fmt(r["overhead_allowed_2_workers_s"], "s"),
-                      "", "",
-                      f"allowed: {RECOVERY_LIMIT} x load - floor")
-            ceiling = r["max_speedup_2_vs_1_within_recovery_target"]
-            speedup_limit = next(limit for key, *_, limit, _text in TARGETS if key == "replay_speedup_2_vs_1")
-            t.add_row("", f"most 2 vs 1 with 2 workers <= {RECOVERY_LIMIT} x load (estimate)",
-                      fmt(ceiling, "x", 2), "", "", "",
-                      f"the floor misses {RECOVERY_LIMIT} x load" if ceiling is None
-                      else "both targets at once" if ceiling >= speedup_limit else "not both targets at once")
-        if r.get("bus_speedup_2_vs_1") is not None:
-            t.add_row("", "memory copy, 2 threads vs 1 (the bus)", fmt(r["bus_speedup_2_vs_1"], "x", 2),
-                      "", "", "", "")
-        if r.get("adam_tiles_speedup_2_vs_1") is not None:
-            t.add_row("", "tiled fused Adam alone, 2 threads vs 1",
-                      fmt(r["adam_tiles_speedup_2_vs_1"], "x", 2),
-                      "", "", "", "")
-        if r.get("snapshot_only_2_workers") is not None:
-            t.add_row("", "snapshot alone (no tail, read), 2 workers", fmt(r["snapshot_only_2_workers"], "s"),
-                      fmt(r["torch_load"], "s"), fmt(r["ratio_snapshot_only_vs_torch_load"], "x", 2),
-                      "", "")
-            t.add_row("", "each tail version, 2 workers", fmt(r["per_tail_version_2_workers"], "s"),
-                      "", "", "", f"tail within target: {r['max_tail_versions_within_target']}")
-        if r.get("floor_ratio_vs_torch_load") is not None:
-            floor = r["torch_load"] + r["tail_versions"] * r["optimizer_step_s"]
-            t.add_row("", f"estimate: torch.load + {r['tail_versions']} x optimizer.step() "
-                      f"({fmt(r['optimizer_step_s'], 's')})", fmt(floor, "s"), fmt(r["torch_load"], "s"),
-                      fmt(r["floor_ratio_vs_torch_load"], "x", 2), "", "")
+        _recovery_rows(t, results["recovery_s"], verdict)
     if not skipped("kafka_produce_mb_s"):
         r = results["kafka_produce_mb_s"]
         t.add_row("kafka_produce_mb_s", f"{r['record_bytes']} B records, acks=all",
@@ -208,6 +152,73 @@ def table(results: dict[str, Any]) -> Table:
         t.add_row("follower_sync_s", "one version / full sync", fmt(r["incremental"], "s"),
                   fmt(r["full_sync"], "s"), "", "", "")
     return t
+
+
+def _recovery_rows(t: Table, r: dict[str, Any], verdict: Callable[[str], tuple[str, str]]) -> None:
+    """The recovery scenario's rows: a replay against ``torch.load``, its floor and bounds."""
+    tail = f"snap + {r['tail_versions']} versions"
+    t.add_row("recovery_s", f"{tail}, 1 worker", fmt(r["workers_1"], "s"),
+              fmt(r["torch_load"], "s"), fmt(_div(r["workers_1"], r["torch_load"]), "x", 2),
+              "", "")
+    t.add_row("", f"{tail}, 2 workers", fmt(r["workers_2"], "s"), fmt(r["torch_load"], "s"),
+              fmt(r["ratio_2_workers_vs_torch_load"], "x", 2),
+              *verdict("recovery_2_workers_vs_torch_load"))
+    t.add_row("", "speedup 2 vs 1 workers", fmt(r["speedup_2_vs_1"], "x", 2), "", "",
+              *verdict("replay_speedup_2_vs_1"))
+    if r.get("speedup_2_vs_1_torch_1_thread") is not None:
+        t.add_row("", f"{tail}, 1 worker, torch on 1 thread", fmt(r["workers_1_torch_1_thread"], "s"),
+                  fmt(r["torch_load"], "s"),
+                  fmt(_div(r["workers_1_torch_1_thread"], r["torch_load"]), "x", 2),
+                  "", "")
+        t.add_row("", "speedup 2 workers vs that", fmt(r["speedup_2_vs_1_torch_1_thread"], "x", 2),
+                  "", "", "", "")
+    if r.get("floor_2_workers") is not None:
+        _recovery_floor_rows(t, r)
+    if r.get("bus_speedup_2_vs_1") is not None:
+        t.add_row("", "memory copy, 2 threads vs 1 (the bus)", fmt(r["bus_speedup_2_vs_1"], "x", 2),
+                  "", "", "", "")
+    if r.get("adam_tiles_speedup_2_vs_1") is not None:
+        t.add_row("", "tiled fused Adam alone, 2 threads vs 1",
+                  fmt(r["adam_tiles_speedup_2_vs_1"], "x", 2),
+                  "", "", "", "")
+    if r.get("snapshot_only_2_workers") is not None:
+        t.add_row("", "snapshot alone (no tail, read), 2 workers", fmt(r["snapshot_only_2_workers"], "s"),
+                  fmt(r["torch_load"], "s"), fmt(r["ratio_snapshot_only_vs_torch_load"], "x", 2),
+                  "", "")
+        t.add_row("", "each tail version, 2 workers", fmt(r["per_tail_version_2_workers"], "s"),
+                  "", "", "", f"tail within target: {r['max_tail_versions_within_target']}")
+    if r.get("floor_ratio_vs_torch_load") is not None:
+        floor = r["torch_load"] + r["tail_versions"] * r["optimizer_step_s"]
+        t.add_row("", f"estimate: torch.load + {r['tail_versions']} x optimizer.step() "
+                  f"({fmt(r['optimizer_step_s'], 's')})", fmt(floor, "s"), fmt(r["torch_load"], "s"),
+                  fmt(r["floor_ratio_vs_torch_load"], "x", 2), "", "")
+
+
+def _recovery_floor_rows(t: Table, r: dict[str, Any]) -> None:
+    """The recovery scenario's floor: what a replay with no overhead would take, and how
+    far above it the replay runs."""
+    load = r["torch_load"]
+
+    def against_load(label: str, seconds: float | None, note: str = "") -> None:
+        t.add_row("", label, fmt(seconds, "s"), fmt(load, "s"), fmt(_div(seconds, load), "x", 2), "",
+                  note)
+
+    parts = " + ".join(fmt(r[k], "s") for k in ("floor_read_2", "floor_steps_2", "floor_checks_2"))
+    against_load("floor, 1 worker: read + steps + checks", r["floor_1_worker"])
+    against_load("floor, 2 workers: read + steps + checks", r["floor_2_workers"], parts)
+    against_load("floor, 2 workers, without the checks", r["floor_unchecked_2_workers"])
+    t.add_row("", "floor speedup 2 vs 1 (a replay with no overhead)",
+              fmt(r["floor_speedup_2_vs_1"], "x", 2), "", "", "", "")
+    t.add_row("", "2 workers' time above the floor: replay / allowed",
+              fmt(r["overhead_2_workers_s"], "s"), fmt(r["overhead_allowed_2_workers_s"], "s"),
+              "", "",
+              f"allowed: {RECOVERY_LIMIT} x load - floor")
+    ceiling = r["max_speedup_2_vs_1_within_recovery_target"]
+    speedup_limit = next(limit for key, *_, limit, _text in TARGETS if key == "replay_speedup_2_vs_1")
+    t.add_row("", f"most 2 vs 1 with 2 workers <= {RECOVERY_LIMIT} x load (estimate)",
+              fmt(ceiling, "x", 2), "", "", "",
+              f"the floor misses {RECOVERY_LIMIT} x load" if ceiling is None
+              else "both targets at once" if ceiling >= speedup_limit else "not both targets at once")
 
 
 def _div(a: float | None, b: float | None) -> float | None:

@@ -746,6 +746,74 @@ def _kafka_recording(cfg: Config, work: Workload, root: Path, versions: int) -> 
         _delete_topics(cfg.kafka, run_topics(cfg.kafka, run_id))
 
 
+def _kafka_produce_scenario(cfg: Config, kafka_why: str | None, rec: Recording | None,
+                            meta: dict[str, Any]) -> dict[str, Any]:
+    """The broker's produce throughput, with records of the recording's mean event size; or
+    why it was skipped."""
+    if not cfg.kafka:
+        return {"skipped": "no --kafka broker given"}
+    if kafka_why is not None:
+        return {"skipped": kafka_why}
+    size = 3 * 1024 * 1024
+    if rec is not None:
+        enc = rec.deltas(rec.encoded)
+        ev = rec.deltas(rec.events)
+        if sum(ev):
+            size = max(64 * 1024, int(sum(enc) / sum(ev)))
+    total = min(max(meta.get("raw_state_bytes", 0), 256 * 1024**2), 1024**3)
+    cfg.log(f"kafka produce: {size} B records, {total / MB:.0f} MB per repeat")
+    return kafka_produce(cfg, size, total)
+
+
+def _throughput_results(rec: Recording, kafka_tp: dict[str, Any] | None,
+                        write_floor: dict[str, Any] | None) -> dict[str, Any]:
+    """The commit throughput scenario's figures: the embedded log's (and Kafka's) against
+    ``torch.save`` with fsync, and the floor of appending a version's bytes."""
+    tp = throughput_of(rec)
+    save = torch_save_fsync_mb_s(rec)
+    kafka = kafka_tp or {}
+    return {
+        "embedded": tp["mb_s"],
+        "embedded_median_version": tp["median_version_mb_s"],
+        "embedded_median_durable_s": tp["median_durable_s"],
+        "embedded_full_commit_s": tp["full_commit_s"],
+        "torch_save_fsync": save,
+        "ratio_embedded": _ratio(tp["mb_s"], save),
+        "kafka": kafka.get("mb_s"),
+        "kafka_median_version": kafka.get("median_version_mb_s"),
+        "kafka_full_commit_s": kafka.get("full_commit_s"),
+        "ratio_kafka": _ratio(kafka.get("mb_s"), save),
+        "versions": tp["versions"],
+        # The bare append of a version's bytes, and the same bytes rewritten into a
+        # truncated file as torch.save to one path does (benchmarks/writefloor.py).
+        "write_floor": write_floor,
+        "samples": {"embedded_durable_s": rec.durable, "raw_bytes": rec.raw,
+                    "torch_save_fsync_s": rec.fsync_s},
+    }
+
+
+def _follower_scenario(cfg: Config, emb: RunAddress, work: Workload) -> dict[str, Any]:
+    """A follower's full sync (a fresh follower), then one version per poll, as a new writer
+    session continues the recorded run; or why it was skipped."""
+    why = follower_available()
+    if why is not None:
+        return {"skipped": why}
+    cfg.log("follower: full sync (fresh follower), then one version per poll")
+    out: dict[str, Any] = {}
+    try:
+        from replayer.replay import restorer
+
+        def follow(recorder: Recorder, _r: Recording) -> None:
+            out.update(follower_sync(cfg, emb, work, recorder))
+
+        # A new writer session: restore (snapshot + tail) to continue the run.
+        record(cfg, work, emb, versions=-1, snapshot_at=None, label="follower",
+               before_close=follow, restorer=restorer(emb))
+    except Exception as exc:  # noqa: BLE001 - reported, not fatal to the run
+        return {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+    return out or {"skipped": "the follower did not run"}
+
+
 def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
     only = cfg.only
     meta = results.setdefault("meta", {})
@@ -788,7 +856,7 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
                label="embedded", recording=rec)
         meta["recording_s"] = time.perf_counter() - t0
         # Disk blocks, not file sizes: a segment file leaves a hole before each payload it
-        # puts on a 2 MiB boundary (eventlog/segments.py), which no block backs.
+        # puts on a 2 MiB boundary (eventlog/embedded/segments.py), which no block backs.
         files = [p for p in d.glob("rewind.db*") if p.is_file()] + list(d.glob("rewind.db.segments/*/*.seg"))
         meta["log_file_bytes"] = sum(p.stat().st_blocks * 512 for p in files)
         write_floor = None
@@ -815,46 +883,11 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
             results["recovery_s"] = recovery(cfg, emb, rec, step_s)
         if "follower_sync_s" in only:
             assert work is not None
-            why = follower_available()
-            if why is not None:
-                results["follower_sync_s"] = {"skipped": why}
-            else:
-                cfg.log("follower: full sync (fresh follower), then one version per poll")
-                try:
-                    from replayer.replay import restorer
-
-                    def follow(recorder: Recorder, _r: Recording) -> None:
-                        results["follower_sync_s"] = follower_sync(cfg, emb, work, recorder)
-
-                    # A new writer session: restore (snapshot + tail) to continue the run.
-                    record(cfg, work, emb, versions=-1, snapshot_at=None, label="follower",
-                           before_close=follow, restorer=restorer(emb))
-                except Exception as exc:  # noqa: BLE001 - reported, not fatal to the run
-                    results["follower_sync_s"] = {"skipped": f"failed: {type(exc).__name__}: {exc}"}
+            results["follower_sync_s"] = _follower_scenario(cfg, emb, work)
         if "commit_blocking_s" in only:
             results["commit_blocking_s"] = blocking_figures(rec)
         if "commit_throughput_mb_s" in only:
-            tp = throughput_of(rec)
-            save = torch_save_fsync_mb_s(rec)
-            kafka = kafka_tp or {}
-            results["commit_throughput_mb_s"] = {
-                "embedded": tp["mb_s"],
-                "embedded_median_version": tp["median_version_mb_s"],
-                "embedded_median_durable_s": tp["median_durable_s"],
-                "embedded_full_commit_s": tp["full_commit_s"],
-                "torch_save_fsync": save,
-                "ratio_embedded": _ratio(tp["mb_s"], save),
-                "kafka": kafka.get("mb_s"),
-                "kafka_median_version": kafka.get("median_version_mb_s"),
-                "kafka_full_commit_s": kafka.get("full_commit_s"),
-                "ratio_kafka": _ratio(kafka.get("mb_s"), save),
-                "versions": tp["versions"],
-                # The bare append of a version's bytes, and the same bytes rewritten into a
-                # truncated file as torch.save to one path does (benchmarks/writefloor.py).
-                "write_floor": write_floor,
-                "samples": {"embedded_durable_s": rec.durable, "raw_bytes": rec.raw,
-                            "torch_save_fsync_s": rec.fsync_s},
-            }
+            results["commit_throughput_mb_s"] = _throughput_results(rec, kafka_tp, write_floor)
         if "bytes_per_commit_ratio" in only:
             b = bytes_ratio_of(rec)
             results["bytes_per_commit_ratio"] = {
@@ -886,21 +919,8 @@ def _run(cfg: Config, root: Path, results: dict[str, Any]) -> None:
         del wb
         shutil.rmtree(d, ignore_errors=True)
 
-    if cfg.kafka:
-        if kafka_why is not None:
-            results["kafka_produce_mb_s"] = {"skipped": kafka_why}
-        elif "kafka_produce_mb_s" in only:
-            size = 3 * 1024 * 1024
-            if rec is not None:
-                enc = rec.deltas(rec.encoded)
-                ev = rec.deltas(rec.events)
-                if sum(ev):
-                    size = max(64 * 1024, int(sum(enc) / sum(ev)))
-            total = min(max(meta.get("raw_state_bytes", 0), 256 * 1024**2), 1024**3)
-            cfg.log(f"kafka produce: {size} B records, {total / MB:.0f} MB per repeat")
-            results["kafka_produce_mb_s"] = kafka_produce(cfg, size, total)
-    elif "kafka_produce_mb_s" in only:
-        results["kafka_produce_mb_s"] = {"skipped": "no --kafka broker given"}
+    if "kafka_produce_mb_s" in only or (cfg.kafka and kafka_why is not None):
+        results["kafka_produce_mb_s"] = _kafka_produce_scenario(cfg, kafka_why, rec, meta)
 
     if "codec_compare" in only:
         from .codecs import compare

@@ -107,7 +107,7 @@ def open_coordinator(url: str, *, read_only: bool = False) -> Coordinator:
 
         return EmbeddedCoordinator(url, read_only=read_only)
     if scheme in ("redis", "rediss"):
-        from eventlog.redis import RedisCoordinator
+        from eventlog.redis.coordinator import RedisCoordinator
 
         return RedisCoordinator(url)
     raise ConfigError(f"unknown coordinator {scheme!r} in {url!r}; use sqlite:// or redis://")

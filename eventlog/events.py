@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 CONTROL_SHARD = -1
+#: The partition of a run's weights stream (its cast serving weights; ``eventlog.weightstream``).
+WEIGHTS_SHARD = -2
 
 
 @dataclass(frozen=True)

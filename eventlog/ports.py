@@ -16,10 +16,12 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, TypeVar
 
 from eventlog.errors import ConfigError
-from eventlog.events import CONTROL_SHARD
+from eventlog.events import CONTROL_SHARD, WEIGHTS_SHARD
 from eventlog.settings import current
 
 CONTROL = CONTROL_SHARD
+#: The weights stream's partition: a derived view beside the log, never folded by a replay.
+WEIGHTS = WEIGHTS_SHARD
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,11 @@ class EventLog(abc.ABC):
     @abc.abstractmethod
     def create(self, shards: int) -> None:
         """Create the run's partitions (control + ``shards``); a no-op if they exist."""
+
+    def create_weights(self) -> None:
+        """Create the run's weights-stream partition (``WEIGHTS``) if missing; the run must
+        exist. A backend without one raises ``ConfigError``."""
+        raise ConfigError(f"the log at {self.url} cannot hold a weights stream")
 
     @abc.abstractmethod
     def shard_count(self) -> int | None:
@@ -290,6 +297,11 @@ class Coordinator(abc.ABC):
     @abc.abstractmethod
     def lease_token(self, name: str) -> int:
         """The newest fencing token issued for ``name`` (0: never)."""
+
+    @abc.abstractmethod
+    def lease_holder(self, name: str) -> tuple[str, float] | None:
+        """Who holds lease ``name`` and in how many seconds it expires unless renewed;
+        ``None`` if it is free (released, expired, or never taken)."""
 
     @abc.abstractmethod
     def report_follower(self, run: str, follower: str, version: int) -> None:

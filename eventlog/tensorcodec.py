@@ -295,6 +295,18 @@ def decode_chunk(delta: TensorDelta, bits: np.ndarray, where: str, *, verify: bo
         raise _digest_error(delta, got, where)
 
 
+def check_result(delta: TensorDelta, bits: np.ndarray, where: str) -> None:
+    """Fail unless applying the chunk to ``bits`` (a tensor's whole uint8 buffer) would give
+    the bits its digest names; ``bits`` is not written (a caller that must apply several
+    chunks all or nothing checks each first)."""
+    check_chunk(delta, len(bits), where)
+    off, n = delta.byte_offset, delta.byte_length
+    plain = _plain(delta, where, _scratch(n))
+    if delta.encoding not in _BITS:
+        plain = np.bitwise_xor(bits[off : off + n], plain, out=chunk_scratch(n))
+    _check_digest(delta, plain, where)
+
+
 def check_chunk(delta: TensorDelta, total: int, where: str) -> None:
     """Fail unless ``delta`` is a well-formed chunk of a ``total``-byte tensor (its range is
     where ``chunk_ranges`` puts it, its encoding and compression are known)."""

@@ -45,6 +45,8 @@ from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import ControlIndex, SmallStates, fold_control, fold_shard, index_control
+from eventlog.provenance import STATE, Stamp
+from eventlog.waits import IDLE_REPEAT_S, Idle
 from replayer import assemble
 from replayer.replay import replay
 
@@ -72,7 +74,114 @@ class FollowResult:
     snapshot: str | None = None
 
 
-class Follower:
+class ModelFollower:
+    """What every follower shares: a model readers hold at one version through ``reading()``,
+    one poll at a time, and a report of its version to the coordinator after each poll
+    (dropped at ``close()``). Subclasses implement ``_poll_once`` and ``_release``."""
+
+    def __init__(self, address: RunAddress | str, model: torch.nn.Module, name: str | None) -> None:
+        # A run id alone finds its backends in the environment, as a Recorder's does.
+        self.address = address if isinstance(address, RunAddress) else RunAddress.from_env(address)
+        self.model = model
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        #: Held while tensors are written into the model; readers hold it through ``reading()``.
+        self.lock = threading.RLock()
+        self._poll_lock = threading.Lock()  # one poll at a time: polls mutate the staging state
+        self._coord = self.address.open_coordinator()
+        self._version = 0
+        self._closed = False
+
+    @property
+    def version(self) -> int:
+        """The version the model holds (0: none yet). Stable while ``reading()`` is held."""
+        return self._version
+
+    @contextmanager
+    def reading(self) -> Iterator[torch.nn.Module]:
+        """Hold the model at one version while the block uses it; yields the model."""
+        with self.lock:
+            yield self.model
+
+    def poll(self) -> FollowResult:
+        """Bring the model to the newest version, if there is a newer one.
+
+        Raises if the run cannot be read or the newest version does not verify; the model
+        then keeps the version it had.
+        """
+        with self._poll_lock:
+            if self._closed:
+                raise RewindError(f"follower {self.name} is closed")
+            result = self._poll_once(self._version, time.perf_counter())
+            self._report()
+            return result
+
+    def stamp(self) -> Stamp:
+        """``(run, version, digest)`` of the version the model holds, to attach to each rollout
+        made with it (inside ``reading()``: the version the rollout used). Raises before the
+        first version."""
+        with self.lock:
+            if not self._version:
+                raise RewindError(f"follower {self.name} holds no version yet: poll() first")
+            kind, digest = self._held_digest()
+            return Stamp(self.address.run_id, self._version, digest.hex(), kind)
+
+    def follow(self, stop: threading.Event, interval_s: float = 1.0) -> int:
+        """Poll every ``interval_s`` until ``stop`` is set; returns how many polls moved the
+        model. An error ends the loop (raised to the caller): the model keeps its version."""
+        moved = 0
+        with Idle(lambda: f"a version of run {self.address.run_id!r} after version {self._version} "
+                          f"(follower {self.name}; the trainer commits none)", _log,
+                  every_s=IDLE_REPEAT_S) as idle:
+            while not stop.is_set():
+                if self.poll().mode != NOOP:
+                    moved += 1
+                    idle.progress()
+                else:
+                    idle.waiting()
+                stop.wait(interval_s)
+        return moved
+
+    def close(self) -> None:
+        """Release threads and connections, and drop this follower's report from the
+        coordinator, so that ``rewind followers`` lists only followers still running (the
+        model keeps its last version)."""
+        with self._poll_lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._release()
+            try:
+                self._coord.forget_follower(self.address.run_id, self.name)
+            except CoordinationError as exc:  # a cache: the entry just goes stale
+                _log.warning("follower %s could not drop its report: %s", self.name, exc)
+            self._coord.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _poll_once(self, before: int, t0: float) -> FollowResult:
+        """One poll, from version ``before`` (started at ``perf_counter()`` ``t0``)."""
+        raise NotImplementedError
+
+    def _release(self) -> None:
+        """Release what the subclass holds (threads, the log)."""
+
+    def _held_digest(self) -> tuple[str, bytes]:
+        """The kind and bytes of the digest of the version the model holds (under ``lock``)."""
+        raise NotImplementedError
+
+    def _report(self) -> None:
+        # The coordinator is a cache: an outage must not stop an actor from following.
+        try:
+            self._coord.report_follower(self.address.run_id, self.name, self._version)
+        except CoordinationError as exc:
+            _log.warning("follower %s could not report version %d: %s", self.name, self._version, exc)
+
+
+class Follower(ModelFollower):
     """Keeps ``model`` at the run's newest sealed version; poll it, or run ``follow()``.
 
     Readers that use the model while another thread polls hold ``reading()`` (or ``lock``),
@@ -90,16 +199,9 @@ class Follower:
     ) -> None:
         if max_lag < 0 or workers < 1:
             raise ConfigError(f"follower needs max_lag >= 0 and workers >= 1 (got {max_lag}, {workers})")
-        # A run id alone finds its backends in the environment, as a Recorder's does.
-        self.address = address if isinstance(address, RunAddress) else RunAddress.from_env(address)
-        self.model = model
+        super().__init__(address, model, name)
         self.max_lag, self.workers = max_lag, workers
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        #: Held while tensors are copied into the model; readers hold it through ``reading()``.
-        self.lock = threading.RLock()
-        self._poll_lock = threading.Lock()  # one poll at a time: polls mutate the staging state
         self._log = self.address.open_log()
-        self._coord = self.address.open_coordinator()
         self._pool = ThreadPoolExecutor(workers, thread_name_prefix="rewind-follower",
                                         initializer=intraop.serial_torch)
         self._idx: ControlIndex | None = None
@@ -108,74 +210,24 @@ class Follower:
         self._layout: RunStarted | None = None
         self._small: SmallStates | None = None  # a multi-rank run's layout is among them
         self._fitted: frozenset[tuple[str, tuple[str, tuple[int, ...]]]] | None = None
-        self._version = 0
-        self._closed = False
 
-    @property
-    def version(self) -> int:
-        """The version the model holds (0: none yet). Stable while ``reading()`` is held."""
-        return self._version
+    def _poll_once(self, before: int, t0: float) -> FollowResult:
+        latest = self._latest()
+        if latest <= before:
+            return FollowResult(before, before, NOOP, 0, 0, time.perf_counter() - t0)
+        try:
+            return self._advance(before, latest, t0)
+        except BaseException:
+            self._shards = None  # staging may be past the model now: resync next time
+            raise
 
-    @contextmanager
-    def reading(self) -> Iterator[torch.nn.Module]:
-        """Hold the model at one version while the block uses it; yields the model."""
-        with self.lock:
-            yield self.model
+    def _release(self) -> None:
+        self._pool.shutdown()
+        self._log.close()
 
-    def poll(self) -> FollowResult:
-        """Bring the model to the newest sealed version, if there is a newer one.
-
-        Raises if the log cannot be read or the newest version does not verify; the model
-        then keeps the version it had.
-        """
-        with self._poll_lock:
-            if self._closed:
-                raise RewindError(f"follower {self.name} is closed")
-            t0 = time.perf_counter()
-            before = self._version
-            latest = self._latest()
-            if latest <= before:
-                result = FollowResult(before, before, NOOP, 0, 0, time.perf_counter() - t0)
-            else:
-                try:
-                    result = self._advance(before, latest, t0)
-                except BaseException:
-                    self._shards = None  # staging may be past the model now: resync next time
-                    raise
-            self._report()
-            return result
-
-    def follow(self, stop: threading.Event, interval_s: float = 1.0) -> int:
-        """Poll every ``interval_s`` until ``stop`` is set; returns how many polls moved the
-        model. An error ends the loop (raised to the caller): the model keeps its version."""
-        moved = 0
-        while not stop.is_set():
-            if self.poll().mode != NOOP:
-                moved += 1
-            stop.wait(interval_s)
-        return moved
-
-    def close(self) -> None:
-        """Release threads and connections, and drop this follower's report from the
-        coordinator, so that ``rewind followers`` lists only followers still running (the
-        model keeps its last version)."""
-        with self._poll_lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._pool.shutdown()
-            self._log.close()
-            try:
-                self._coord.forget_follower(self.address.run_id, self.name)
-            except CoordinationError as exc:  # a cache: the entry just goes stale
-                _log.warning("follower %s could not drop its report: %s", self.name, exc)
-            self._coord.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _held_digest(self) -> tuple[str, bytes]:
+        assert self._idx is not None  # a version is held: its seal was indexed
+        return STATE, self._idx.seals[self._version].seal.state_digest
 
     # ------------------------------------------------------------------ internals
     def _latest(self) -> int:
@@ -200,7 +252,7 @@ class Follower:
                 # so start again from a verified snapshot.
                 reason = f"incremental step failed verification: {exc}"
                 _log.warning("follower %s: %s; doing a full sync", self.name, reason)
-        state, report = replay(self.address, Target(), workers=self.workers)
+        state, report = replay(self.address, Target("version", latest), workers=self.workers)
         self._shards, self._idx, self._layout = state.shards, state.index, state.layout
         self._small = state.small
         self._publish(state.version)
@@ -251,20 +303,9 @@ class Follower:
         return events
 
     def _publish(self, version: int) -> None:
-        """Copy the staged model tensors into the module: all of one version, under the lock.
-        A multi-rank run's model is assembled from its ranks' shards (full tensors)."""
-        assert self._shards is not None and self._layout is not None
+        """Copy the staged model tensors into the module: all of one version, under the lock."""
+        tensors = self._model_tensors()
         prefix = f"{MODEL}/"
-        bits = {n: t for shard in self._shards for n, t in shard.tensors.items()}
-        states = self._small.states if self._small is not None else {}
-        world = assemble.recorded_world(states, set(bits))
-        # Built outside the lock (copies of the staged bits), so readers wait only for copy_.
-        if world:
-            full = assemble.full_tensors(states, bits, world, names=(MODEL,))[1]
-            tensors = {n: t for n, t in full.items() if n.startswith(prefix)}
-        else:
-            tensors = {s.name: tensorcodec.bits_to_tensor(bits[s.name].bits, s.dtype, tuple(s.shape))
-                       for s in self._layout.tensors if s.name.startswith(prefix)}
         recorded = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         fingerprint = frozenset(recorded.items())
         if fingerprint != self._fitted:  # once per model layout, not per version
@@ -277,12 +318,23 @@ class Follower:
                 live[key].copy_(tensor)
             self._version = version
 
-    def _report(self) -> None:
-        # The coordinator is a cache: an outage must not stop an actor from following.
-        try:
-            self._coord.report_follower(self.address.run_id, self.name, self._version)
-        except CoordinationError as exc:
-            _log.warning("follower %s could not report version %d: %s", self.name, self._version, exc)
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's tensors at the staged version, by log name (``model/<key>``), as
+        copies. A multi-rank run's model is assembled from its ranks' shards (full tensors)."""
+        assert self._shards is not None and self._layout is not None
+        prefix = f"{MODEL}/"
+        bits = {n: t for shard in self._shards for n, t in shard.tensors.items()}
+        states = self._small.states if self._small is not None else {}
+        world = assemble.recorded_world(states, set(bits))
+        # Built outside the lock (copies of the staged bits), so readers wait only for copy_.
+        if world:
+            full = assemble.full_tensors(states, bits, world, names=(MODEL,))[1]
+            tensors = {n: t for n, t in full.items() if n.startswith(prefix)}
+        else:
+            tensors = {s.name: tensorcodec.bits_to_tensor(bits[s.name].bits, s.dtype, tuple(s.shape))
+                       for s in self._layout.tensors if s.name.startswith(prefix)}
+        return tensors
+
 
 
 def forget_silent_followers(address: RunAddress, silent_s: float) -> list[str]:

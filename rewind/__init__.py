@@ -35,9 +35,13 @@ from eventlog.errors import (
 
 if TYPE_CHECKING:
     from eventlog import AuthenticationError, Keyring, RunAddress, Stateful, Target
+    from eventlog.provenance import Stamp
+    from eventlog.weightcodec import WeightsConfig
     from replayer.export import export
     from replayer.follower import Follower, FollowResult
+    from replayer.publisher import Publisher
     from replayer.replay import ReplayReport, read_checkpoint, replay, write_checkpoint
+    from replayer.weights_follower import WeightsFollower
     from rewind.recorder import Recorder
     from rewind.results import CommitResult, RestoreResult
     from rewind.snapshots import Snapshots
@@ -54,8 +58,12 @@ else:
 
     __getattr__, __dir__ = lazy_exports(globals(), {
         "eventlog": ("AuthenticationError", "Keyring", "RunAddress", "Stateful", "Target"),
+        "eventlog.provenance": ("Stamp",),
+        "eventlog.weightcodec": ("WeightsConfig",),
         "replayer.export": ("export",),
         "replayer.follower": ("Follower", "FollowResult"),
+        "replayer.publisher": ("Publisher",),
+        "replayer.weights_follower": ("WeightsFollower",),
         "replayer.replay": ("ReplayReport", "read_checkpoint", "replay", "write_checkpoint"),
         "rewind.recorder": ("Recorder",),
         "rewind.results": ("CommitResult", "RestoreResult"),
@@ -69,9 +77,10 @@ __all__ = [
     "AuthenticationError", "CommitResult", "ConfigError", "CoordinationError",
     "CorruptMessageError", "CorruptStoreError", "DecodeError", "DigestMismatchError",
     "EventLogError", "FencedError", "FollowResult", "Follower", "IntegrityError", "Keyring",
-    "Recorder", "ReplayReport", "RestoreResult", "RewindError", "RunAddress",
-    "RunNotFoundError", "Snapshots", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
-    "TargetNotFoundError", "TruncatedHistoryError", "UnknownSchemaError", "WrongRunError",
+    "Publisher", "Recorder", "ReplayReport", "RestoreResult", "RewindError", "RunAddress",
+    "RunNotFoundError", "Snapshots", "Stamp", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
+    "TargetNotFoundError", "TruncatedHistoryError", "UnknownSchemaError", "WeightsConfig",
+    "WeightsFollower", "WrongRunError",
     "every_seconds", "every_versions", "export", "keep_all", "keep_best", "keep_every",
     "keep_last", "read_checkpoint", "replay", "write_checkpoint",
 ]

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from eventlog import optimstep, statecodec, tensorcodec
-from eventlog.capture import TENSOR_ROLES, Stateful, unflatten
+from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, Stateful, stays_inline, unflatten
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import DecodeError, RewindError, StateMismatchError
 from eventlog.events import Envelope, TensorSpec
@@ -48,8 +49,11 @@ from eventlog.layout import assign_shards
 from eventlog.optimstep import CapturedStep
 from eventlog.ports import EventLog
 from eventlog.statecodec import TensorRef
+from eventlog.waits import warned_wait
 from replayer import assemble
 from replayer.assemble import rank_prefix
+
+_log = logging.getLogger(__name__)
 
 #: How long a rank waits for the others at one step of the agreement.
 AGREEMENT_TIMEOUT = datetime.timedelta(minutes=10)
@@ -64,7 +68,9 @@ class RankGroup:
                               "(dist.init_process_group) first")
         ranks = dist.get_process_group_ranks(group)
         # Collective over the whole world: every rank of the job creates its Recorder.
-        made = dist.new_group(ranks=ranks, backend="gloo", timeout=AGREEMENT_TIMEOUT)
+        with warned_wait(f"every rank of the trainer's group ({len(ranks)} ranks) to create its Recorder",
+                         _log):
+            made = dist.new_group(ranks=ranks, backend="gloo", timeout=AGREEMENT_TIMEOUT)
         if not isinstance(made, dist.ProcessGroup):
             raise RewindError("this rank is not a member of the Recorder's process group")
         self.group: dist.ProcessGroup = made
@@ -73,6 +79,14 @@ class RankGroup:
 
     def all_gather(self, data: bytes) -> list[bytes]:
         """Every rank's ``data``, in rank order."""
+        with warned_wait(self._others, _log):
+            return self._all_gather(data)
+
+    def _others(self) -> str:
+        return (f"the other {self.world - 1} ranks of the Recorder's group to reach the same step "
+                f"(this is rank {self.rank}; a rank that stopped or fell behind holds every rank)")
+
+    def _all_gather(self, data: bytes) -> list[bytes]:
         size = torch.tensor([len(data)], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world)]
         dist.all_gather(sizes, size, group=self.group)
@@ -85,13 +99,14 @@ class RankGroup:
 
     def broadcast(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank."""
-        size = torch.tensor([len(data)], dtype=torch.int64)
-        dist.broadcast(size, src=self._global(0), group=self.group)
-        buf = torch.zeros(int(size.item()), dtype=torch.uint8)
-        if self.rank == 0 and data:
-            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        dist.broadcast(buf, src=self._global(0), group=self.group)
-        return buf.numpy().tobytes()
+        with warned_wait(self._others, _log):
+            size = torch.tensor([len(data)], dtype=torch.int64)
+            dist.broadcast(size, src=self._global(0), group=self.group)
+            buf = torch.zeros(int(size.item()), dtype=torch.uint8)
+            if self.rank == 0 and data:
+                buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            dist.broadcast(buf, src=self._global(0), group=self.group)
+            return buf.numpy().tobytes()
 
     def barrier(self) -> None:
         """Wait for every rank."""
@@ -132,10 +147,13 @@ def _placement_of(name: str, where: str) -> Placement:
     return Replicate() if dim is None else Shard(dim)
 
 
-def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int, world: int) -> Captured:
+def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int, world: int,
+            inline: Iterable[str] = ()) -> Captured:
     """This rank's tensors (DTensors as their local shards) and small states, named so
-    that no two ranks' parts collide (``world``: the number of ranks)."""
-    roles = frozenset(tensor_roles)
+    that no two ranks' parts collide (``world``: the number of ranks). The tensors of the
+    ``inline`` roles under ``INLINE_TENSOR_BYTES`` stay in their small states, as
+    ``Recorder`` leaves them in a single process."""
+    roles, inline_roles = frozenset(tensor_roles), frozenset(inline)
     prefix = rank_prefix(rank)
     out = Captured()
     layout: dict[str, dict[str, Any]] = {}
@@ -147,10 +165,13 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
         beside = _beside_shards(tree) if obj_name == "optimizer" else set()
 
         def leaf(t: torch.Tensor, path: str, replicable: bool = obj_name in TENSOR_ROLES,
-                 beside: set[str] = beside) -> TensorRef:
+                 beside: set[str] = beside, below: int = (INLINE_TENSOR_BYTES if obj_name in inline_roles
+                                                           else 0)) -> TensorRef | torch.Tensor:
             # ``replicable``: a plain tensor of the model or optimizer is a replica (a
-            # buffer's tensors are the rank's own, and so is an optimizer state beside a
-            # sharded one, such as AdamW's ``step``: a rank's part replays its step alone).
+            # buffer's or an extra's tensors are the rank's own, and so is an optimizer state
+            # beside a sharded one, such as AdamW's ``step``: a rank's part replays its step alone).
+            if not isinstance(t, DTensor) and stays_inline(t, below):
+                return t
             if isinstance(t, DTensor):
                 placements = tuple(t.placements)
                 local = t.to_local()

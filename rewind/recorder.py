@@ -15,11 +15,12 @@ of the replayed step; otherwise tensors are XOR deltas of the previous version's
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch
 from eventlog import intraop, statecodec, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.backends import RunAddress
-from eventlog.capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
+from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
 from eventlog.commit.pipeline import SMALL_KINDS, CommitPipeline
 from eventlog.digests import shard_digest, tensor_digest
 from eventlog.errors import ConfigError, RewindError, RunNotFoundError, StaleVersionError
@@ -40,7 +41,9 @@ from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.layout import assign_shards
 from eventlog.optimstep import StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog
+from eventlog.provenance import PROVENANCE, Stamp
 from eventlog.settings import Settings, current
+from eventlog.waits import warned_wait
 from replayer.assemble import full_state
 from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
@@ -53,16 +56,20 @@ from snapshotter.policies import Trigger
 from snapshotter.service import CommittedSnapshots, SnapshotSource, SnapshotterThread
 
 _ROLES = ("model", "optimizer", "scheduler", "sampler")
+_logger = logging.getLogger(__name__)
 
 
 class Recorder:
     """Records a training run's state transitions; restores them after a crash.
 
-    ``objects`` are ``Stateful``: ``model`` and ``optimizer`` go to the tensor shards,
-    ``scheduler``, ``sampler``, the global RNGs (``rng=True``) and every ``extra`` object
-    are small states. The tensors in each ``buffers`` object's state (a replay buffer, say)
-    go to the tensor shards too, as XOR deltas: a commit writes only the chunks that
-    changed since the previous version. Use as a context manager, or call ``close()``.
+    ``objects`` are ``Stateful``. The tensors of ``model``, ``optimizer``, every ``extra``
+    object (a target network, a normalizer; but those under 16 KiB, such as RNG states:
+    ``eventlog.capture.INLINE_TENSOR_BYTES``) and every ``buffers`` object (a replay buffer)
+    go to the tensor shards as XOR deltas: a commit writes only the chunks that changed
+    since the previous version. The rest of their states, and ``scheduler``, ``sampler``, the
+    global RNGs (``rng=True``) and every ``small`` object (counters, RNG and generator
+    states: what changes whole at every commit), are small states (msgpack). Use as a
+    context manager, or call ``close()``.
 
     ``restore()`` loads the newest sealed version: from the newest valid snapshot plus the
     versions after it in the log (through ``replayer.replay``). ``snapshots`` (a trigger such
@@ -95,6 +102,7 @@ class Recorder:
         extra: Mapping[str, Stateful] | None = None,
         *,
         buffers: Mapping[str, Stateful] | None = None,
+        small: Mapping[str, Stateful] | None = None,
         shards: int | None = None,
         writer_id: str | None = None,
         max_inflight: int | None = None,
@@ -114,8 +122,12 @@ class Recorder:
             # wrapper, a run restores, follows and exports into the plain model.
             model = model.module
         check_data_position(sampler, rng)
-        self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng, extra, buffers)
-        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(buffers or {})
+        self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng,
+                                          {"extra": extra, "buffer": buffers, "small": small})
+        # A version recorded with an object's tensors inside its small state (as ``small``
+        # objects are) restores all the same: its skeleton holds no references.
+        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(extra or {}) | frozenset(buffers or {})
+        self._inline_roles = frozenset(extra or {})  # their small tensors stay in their small state
         settings = settings or current()
         shards = settings.shards if shards is None else shards
         max_inflight = settings.max_inflight if max_inflight is None else max_inflight
@@ -155,6 +167,8 @@ class Recorder:
         self._jobs: queue.Queue[StagedCommit | None] = queue.Queue(maxsize=max_inflight)
         self._failure: BaseException | None = None
         self._closed = False
+        #: What the committer thread is doing, for the warning of a commit that waits long.
+        self._busy = "idle"
         self._committer = threading.Thread(target=self._run, name="rewind-committer", daemon=True)
         self._committer.start()
 
@@ -171,14 +185,23 @@ class Recorder:
         *,
         wait: bool = False,
         base_version: int | None = None,
+        consumed: Iterable[Stamp] = (),
     ) -> Future[CommitResult]:
         """Record the current state as the next version; returns a future of its result.
 
         Blocks only to copy the state out, or while ``max_inflight`` commits are queued.
         ``wait=True`` returns once the version is durable. ``base_version`` makes the commit
         optimistic: it fails with ``StaleVersionError`` unless the run is at that version.
+        ``consumed``: the stamps (``Follower.stamp()``) of the rollouts this version's steps
+        trained on, recorded as its provenance (``eventlog.provenance``); on a multi-rank run,
+        each rank gives the stamps of its own data.
         """
         self._check_usable()
+        stamps = tuple(consumed)
+        bad = next((s for s in stamps if not isinstance(s, Stamp)), None)
+        if bad is not None:
+            raise ConfigError(f"commit(consumed=...) takes Stamp objects (Follower.stamp()), got "
+                              f"{type(bad).__name__} {bad!r:.60}")
         if self._refuse:
             raise ConfigError(self._refuse)
         if self._snapshots is not None and self._snapshotter is None:
@@ -192,10 +215,13 @@ class Recorder:
         if self._group is None:
             tensors, small = self._capture()
         else:
-            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world)
+            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world,
+                                       inline=self._inline_roles)
             tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
-        self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
+        with warned_wait(lambda: f"a free slot to stage the commit of step {step} of run {self.run_id!r} "
+                         f"(every slot holds a commit in flight); the committer is {self._busy}", _logger):
+            self._staging_slots.acquire()  # blocks while max_inflight + 1 commits are in flight
         try:
             staged = self._pipe.staging()
             for name, t in tensors.items():
@@ -216,13 +242,15 @@ class Recorder:
                                staged, layout, small, Future(),
                                steps=self._steps.take() if self._steps else [], replicated=replicated,
                                environment=(fingerprint.environment(EnvironmentFingerprint.START)
-                                            if self.version == 0 else None))
+                                            if self.version == 0 else None), consumed=stamps)
             self._jobs.put(job)
         except BaseException:
             self._staging_slots.release()  # no job will give it back
             raise
         if wait:
-            job.future.result()
+            with warned_wait(lambda: f"the commit of step {step} of run {self.run_id!r} to be durable; the "
+                             f"committer is {self._busy}", _logger):
+                job.future.result()
         return job.future
 
     def flush(self) -> None:
@@ -230,7 +258,9 @@ class Recorder:
         done: Future[CommitResult] = Future()
         marker = StagedCommit(-1, {}, None, {}, {}, {}, done, flush_only=True)
         self._jobs.put(marker)
-        done.result()
+        with warned_wait(lambda: f"the queued commits of run {self.run_id!r} to be durable; the committer "
+                         f"is {self._busy}", _logger):
+            done.result()
         self._check_usable()
 
     def restore(self) -> RestoreResult:
@@ -257,7 +287,8 @@ class Recorder:
         if world:
             self._refuse = (f"run {self.run_id!r} was recorded by {world} ranks: a Recorder without group= "
                             "restores it (full tensors, rank 0's other states) but cannot record into it; "
-                            "continue it with group= at a world size that divides its shard count")
+                            f"continue it with group= at any world size up to its shard count "
+                            f"({self._log.shard_count()})")
         if self._steps is not None:
             self._steps.take()  # steps taken before the restore led to another state
         # The restored state becomes the XOR base of the next commit (in host buffers, as
@@ -283,7 +314,9 @@ class Recorder:
             return
         self._closed = True
         self._jobs.put(None)
-        self._committer.join()
+        with warned_wait(lambda: f"the queued commits of run {self.run_id!r} to be written before the "
+                         f"recorder closes; the committer is {self._busy}", _logger):
+            self._committer.join()
         if isinstance(self._snapshotter, CommittedSnapshots):
             if self._failure is None:
                 self._offer_snapshot()  # the one a time trigger made due since the last commit
@@ -317,7 +350,7 @@ class Recorder:
         for name, obj in self._objects.items():
             tree = obj.state_dict()
             if name in self._tensor_roles:
-                found, tree = flatten(name, tree)
+                found, tree = flatten(name, tree, INLINE_TENSOR_BYTES if name in self._inline_roles else 0)
                 tensors.update(found)
             small[name] = statecodec.pack(tree)
         return tensors, small
@@ -336,18 +369,21 @@ class Recorder:
                 if self._failure is not None:
                     job.future.set_exception(self._failure)
                 else:
+                    self._busy = f"writing version {self.version + 1} (step {job.step}) to the log"
                     job.future.set_result(self._write(job) if self._group is None else self._write_group(job))
                     # The version's encode buffers go back to the kernel before the trainer's
                     # next step allocates: they are not held while a snapshot is written.
                     allocator.trim()
                     # After the result: training goes on meanwhile, and the next commit is
                     # written once the snapshot no longer reads the base it replaces.
+                    self._busy = f"writing the snapshot of version {self.version}, if one is due"
                     self._offer_snapshot()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 self._failure = exc
                 if not job.future.done():
                     job.future.set_exception(exc)
             finally:
+                self._busy = "idle"
                 self._staging_slots.release()
                 # Not held while waiting for the next job: its gradients would stay pinned
                 # through the trainer's next backward pass.
@@ -360,6 +396,7 @@ class Recorder:
         base = prev.version if job.base_version is None else job.base_version
         if base != prev.version:
             raise StaleVersionError(base, prev.version)
+        job.record_consumed(version, PROVENANCE, prev.small)
         specs = prev.specs
         relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != job.layout
         if relayout:
@@ -372,13 +409,16 @@ class Recorder:
         job.steps = []  # a prediction holds the gradients until it has logged them; then they may be freed
         encode_seconds = time.perf_counter() - t_encode
 
+        # A small state this process no longer records (restored with fewer objects) stays in
+        # the version as the fold keeps it: carried forward, so the seal's digest covers it.
+        small = {**prev.small, **job.small}
         layout, head = prev.layout, list[Body]()
         if relayout:
-            layout = pipe.layout_event(specs, job.small)
+            layout = pipe.layout_event(specs, small)
             head.append(layout)
             if version == 1 and job.environment is not None:
                 head.append(job.environment)
-        control = pipe.control_events(head, job.small, job.metrics)
+        control = pipe.control_events(head, small, job.metrics)
         raw = sum(len(b) for b in job.staged.values())
         # Events are written as they are encoded, so their gsns are claimed before it is known
         # which chunks changed: the most the version can have; the rest are never used.
@@ -402,11 +442,11 @@ class Recorder:
             enc = residual + (prediction.grad_bytes if prediction else 0)
             codec = pipe.codec(prediction, why_not)
             control.append(pipe.seal(base, emit.shard_counts, len(control),
-                                     [shard_digest(d) for d in tensor_digests], job.small, codec, raw, enc))
+                                     [shard_digest(d) for d in tensor_digests], small, codec, raw, enc))
             for event in control:
                 emit(CONTROL, event)
         gsn = emit.gsn
-        pipe.advance(job.staged, specs, chunk_digests, dict(job.small), version, gsn - 1)
+        pipe.advance(job.staged, specs, chunk_digests, small, version, gsn - 1)
         prev.layout = layout
         return CommitResult(version, job.step, gsn - emit.first, raw, enc, time.perf_counter() - t0, codec,
                             residual, encode_seconds)
@@ -451,10 +491,10 @@ class Recorder:
         return _restored(*restored, t0)
 
 
-def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapping[str, Stateful] | None,
-                      buffers: Mapping[str, Stateful] | None) -> dict[str, Stateful]:
+def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool,
+                      named: Mapping[str, Mapping[str, Stateful] | None]) -> dict[str, Stateful]:
     """The recorded objects by name: the model, optimizer, scheduler and sampler given (in
-    ``roles``), the global RNGs, then each ``extra`` and ``buffers`` object."""
+    ``roles``), the global RNGs, then each named object (``named``: by kind, e.g. ``extra``)."""
     objects: dict[str, Stateful] = {}
     for name, obj in zip(_ROLES, roles, strict=True):
         if obj is None:
@@ -466,9 +506,9 @@ def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapp
         objects[name] = obj
     if rng:
         objects["rng"] = GlobalRng()
-    for kind, given in (("extra", extra), ("buffer", buffers)):
+    for kind, given in named.items():
         for name, obj in (given or {}).items():
-            if name in objects or name in (*_ROLES, "rng"):
+            if name in objects or name in (*_ROLES, "rng", PROVENANCE):
                 raise ConfigError(f"{kind} state name {name!r} is reserved or used twice")
             if not isinstance(obj, Stateful):
                 raise ConfigError(f"{kind} state {name!r} has no state_dict/load_state_dict")

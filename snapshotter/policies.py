@@ -22,22 +22,32 @@ class Progress:
 
     versions_since: int
     seconds_since: float
+    #: The newest sealed version (for ``Trigger.waits_for``).
+    newest: int = 0
 
 
 class Trigger:
-    """Decides whether to snapshot now."""
+    """Decides whether to snapshot now, and says what it waits for."""
 
-    def __init__(self, test: Callable[[Progress], bool], text: str) -> None:
+    def __init__(self, test: Callable[[Progress], bool], text: str,
+                 wants: Callable[[Progress], str] | None = None) -> None:
         self._test, self._text = test, text
+        self._wants = wants or (lambda _p: text)
 
     def __call__(self, progress: Progress) -> bool:
         return self._test(progress)
 
+    def waits_for(self, progress: Progress) -> str:
+        """What must happen before it fires, e.g. ``version 300 or 120 s more``."""
+        return self._wants(progress)
+
     def __or__(self, other: Trigger) -> Trigger:
-        return Trigger(lambda p: self(p) or other(p), f"({self} | {other})")
+        return Trigger(lambda p: self(p) or other(p), f"({self} | {other})",
+                       lambda p: f"{self.waits_for(p)} or {other.waits_for(p)}")
 
     def __and__(self, other: Trigger) -> Trigger:
-        return Trigger(lambda p: self(p) and other(p), f"({self} & {other})")
+        return Trigger(lambda p: self(p) and other(p), f"({self} & {other})",
+                       lambda p: f"({self.waits_for(p)}) and ({other.waits_for(p)})")
 
     def __repr__(self) -> str:
         return self._text
@@ -52,14 +62,22 @@ def _at_least(low: int, value: object, what: str) -> None:
 def every_versions(n: int) -> Trigger:
     """Snapshot once ``n`` versions were sealed since the last snapshot."""
     _at_least(1, n, "every_versions(n)")
-    return Trigger(lambda p: p.versions_since >= n, f"every_versions({n})")
+    return Trigger(lambda p: p.versions_since >= n, f"every_versions({n})",
+                   lambda p: f"version {p.newest - p.versions_since + n}")
 
 
 def every_seconds(s: float) -> Trigger:
     """Snapshot once ``s`` seconds passed since the last one (and something changed)."""
     if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s) or s < 0:
         raise ConfigError(f"every_seconds(s) needs a finite number of seconds >= 0, got {s!r}")
-    return Trigger(lambda p: p.versions_since > 0 and p.seconds_since >= s, f"every_seconds({s})")
+
+    def wants(p: Progress) -> str:
+        more = f"{s - p.seconds_since:.0f} s more" if p.seconds_since < s else ""
+        if p.versions_since > 0:
+            return more
+        return "a new version" + (f" and {more}" if more else "")
+
+    return Trigger(lambda p: p.versions_since > 0 and p.seconds_since >= s, f"every_seconds({s})", wants)
 
 
 @dataclass(frozen=True)

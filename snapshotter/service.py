@@ -11,12 +11,13 @@ the oldest one kept may be truncated.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from eventlog import (
@@ -24,6 +25,7 @@ from eventlog import (
     CoordinationError,
     EventLogError,
     FencedError,
+    RewindError,
     RunAddress,
     RunNotFoundError,
     intraop,
@@ -41,6 +43,7 @@ from eventlog.fold.engine import (
     verify_small,
 )
 from eventlog.ports import CONTROL, LogWriter
+from eventlog.waits import IDLE_REPEAT_S, Idle
 from schemas import SCHEMA_VERSION
 from snapshotter.catalog import encode_layout, markers, newest_valid, try_delete
 from snapshotter.policies import (
@@ -156,24 +159,93 @@ class Snapshotter:
     def acquire(self) -> int:
         """Take (or renew) the snapshotter lease; raises ``FencedError`` if another holds it."""
         token = self._coord.acquire_lease(self._lease, self.holder, self.config.lease_ttl_s)
-        if token is None or (self._token is not None and token != self._token):
-            holder_token = self._coord.lease_token(self._lease)
+        if token is None:
             self._token = None
-            raise FencedError(
-                f"snapshotter {self.holder} of run {self.address.run_id!r} does not hold the "
-                f"lease (fencing token {holder_token} belongs to another snapshotter); stopping"
-            )
+            raise FencedError(f"snapshotter {self.holder} of run {self.address.run_id!r} does not "
+                              f"hold the lease: {self._held_by()}; stopping")
         self._token = token
         return token
 
+    def _held_by(self) -> str:
+        """Who holds the lease, with its fencing token and when it expires unless renewed."""
+        token = self._coord.lease_token(self._lease)
+        held = self._coord.lease_holder(self._lease)
+        if held is None:
+            return f"fencing token {token} belongs to another snapshotter"
+        holder, left = held
+        return f"{holder} holds it (fencing token {token}) until {_wall(left)} unless it renews it"
+
+    def take_lease(self, stop: threading.Event | None = None) -> bool:
+        """Take the lease, first waiting out a holder that does not renew it (one that was
+        killed); raises ``FencedError`` if the holder renewed it meanwhile (it is running).
+        False if ``stop`` was set while waiting."""
+        stop = stop or threading.Event()
+        waited = False
+        while not stop.is_set():
+            try:
+                self.acquire()
+            except FencedError:
+                held = None if waited else self._coord.lease_holder(self._lease)
+                if held is None:
+                    if waited:
+                        raise
+                    continue  # freed since
+                holder, left = held
+                _log.warning("snapshotter %s: waiting for the lease of run %r held by %s to expire "
+                             "at %s (%.0f s): a snapshotter that was killed cannot renew it; one "
+                             "that is running does, and then this one stops", self.holder,
+                             self.address.run_id, holder, _wall(left), left)
+                stop.wait(left + 0.1)
+                waited = True
+                continue
+            if waited:
+                self._say(f"snapshotter {self.holder} took over the lease of run {self.address.run_id!r}")
+            return True
+        return False
+
     def _check_lease(self) -> None:
+        """Renew the lease in the middle of a snapshot; ``FencedError`` if it was lost (the
+        fencing token changed), which gives the snapshot up."""
         token = self._token
-        if token is None or self._coord.lease_token(self._lease) != token:
+        current = self._coord.acquire_lease(self._lease, self.holder, self.config.lease_ttl_s)
+        if token is None or current != token:
+            self._token = current
             raise FencedError(
-                f"snapshotter {self.holder} was fenced (token {token} is no longer current); "
-                "its snapshot is abandoned without an end marker"
+                f"snapshotter {self.holder} of run {self.address.run_id!r} lost the lease during "
+                f"its snapshot (fencing token {token} is no longer current: "
+                f"{'it holds token ' + str(current) + ' now' if current else self._held_by()})"
             )
-        self.acquire()
+
+    @contextlib.contextmanager
+    def _renewing(self) -> Iterator[None]:
+        """Renew the lease every third of its time to live while the block runs, from a
+        thread with a coordinator of its own: a snapshot's setup or its writes may outlast
+        the lease when the log is slow (brokers down), and a lease lost midway would give up
+        a snapshot whose begin marker is already in the log."""
+        done = threading.Event()
+
+        def renew() -> None:
+            try:
+                coord = self.address.open_coordinator()
+            except RewindError as exc:
+                _log.info("snapshotter %s cannot renew its lease meanwhile: %s", self.holder, exc)
+                return
+            try:
+                while not done.wait(self.config.lease_ttl_s / 3):
+                    try:
+                        coord.acquire_lease(self._lease, self.holder, self.config.lease_ttl_s)
+                    except RewindError as exc:  # the check before the end marker decides
+                        _log.info("snapshotter %s could not renew its lease: %s", self.holder, exc)
+            finally:
+                coord.close()
+
+        thread = threading.Thread(target=renew, name="rewind-lease", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
 
     # ------------------------------------------------------------------ folding
     def catch_up(self) -> int:
@@ -258,15 +330,30 @@ class Snapshotter:
 
     def publish(self, source: SnapshotSource, t0: float | None = None) -> SnapshotResult:
         """Write ``source`` (the whole state of a sealed version this snapshotter has indexed)
-        as a snapshot and publish it: ``SnapshotBegin``, the files, the manifest, the lease
-        checked again, ``SnapshotEnd``, the catalog; then retention."""
+        as a snapshot and publish it: the setup (the lease, the writer of the markers), then
+        ``SnapshotBegin``, the files, the manifest, the lease checked again, ``SnapshotEnd``,
+        the catalog; then retention. A snapshot given up in its setup leaves nothing in the
+        log; one given up after its begin marker (the lease lost) says so as a warning."""
         t0 = time.perf_counter() if t0 is None else t0
         assert self._idx is not None
-        token = self.acquire()
+        self.acquire()
+        with self._renewing():
+            self._open_writer()
+            # Renewed (or found lost) after the setup, however long it took.
+            token = self.acquire()
+            sid = f"v{source.version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
+            try:
+                return self._publish(source, sid, token, t0)
+            except FencedError as exc:
+                _log.warning("snapshot %s of run %r (version %d) given up: %s", sid,
+                             self.address.run_id, source.version, exc)
+                raise
+
+    def _publish(self, source: SnapshotSource, sid: str, token: int, t0: float) -> SnapshotResult:
+        assert self._idx is not None
         version = source.version
         info = self._idx.seals[version]
         layout = source.layout
-        sid = f"v{version:010d}-t{token}-{uuid.uuid4().hex[:6]}"
         watermark = max([source.small.applied_gsn, *(s.applied_gsn for s in source.shards)])
         self._append(SnapshotBegin(sid, watermark, token), info.version, info.step)
         next_offsets = [source.small.next_offset, *(s.next_offset for s in source.shards)]
@@ -296,9 +383,15 @@ class Snapshotter:
         return SnapshotResult(sid, version, info.step, uri, time.perf_counter() - t0,
                               deleted, truncated)
 
-    def _append(self, body: Body, version: int, step: int) -> None:
+    def _open_writer(self) -> None:
+        """The writer of the snapshot markers, opened before any marker is written: opening
+        one is what meets a log outage first (a Kafka writer's ``init_transactions``, which
+        warns while it waits)."""
         if self._writer is None:
             self._writer = self._log.writer(f"{self.address.run_id}.snapshotter")
+
+    def _append(self, body: Body, version: int, step: int) -> None:
+        assert self._writer is not None, "publish opens the writer first"
         append_control(self._writer, self._coord, self.address.run_id, self.holder, version, step, [body])
 
     # ------------------------------------------------------------------ retention
@@ -327,6 +420,8 @@ class Snapshotter:
             if m.snapshot_id not in keep and try_delete(self.store, self.address.run_id, m.snapshot_id):
                 self._coord.catalog_delete(self.address.run_id, m.snapshot_id)
                 deleted.append(m.snapshot_id)
+                self._say(f"retention {self.config.retention} deleted snapshot {m.snapshot_id} "
+                          f"(version {m.version}, step {m.step})")
         kept = [m for m in published if m.snapshot_id not in deleted]
         return deleted, self._truncate(kept)
 
@@ -353,20 +448,42 @@ class Snapshotter:
 
     # ------------------------------------------------------------------ service loop
     def run(self, stop: threading.Event | None = None, *, max_snapshots: int | None = None) -> int:
-        """Follow the log until ``stop`` is set (or ``max_snapshots`` were written)."""
+        """Follow the log until ``stop`` is set (or ``max_snapshots`` were written). First it
+        takes the lease (``take_lease``); while no snapshot is due it says what it waits for,
+        once, then as a warning past ``WARN_AFTER_S`` of idleness and every ``IDLE_REPEAT_S``."""
         stop = stop or threading.Event()
         written = 0
-        self.acquire()
-        while not stop.is_set():
-            result = self.snapshot()
-            if result is not None:
-                written += 1
-                if max_snapshots is not None and written >= max_snapshots:
-                    break
-            else:
-                self.acquire()  # keeps the lease alive between snapshots
-            stop.wait(self.config.poll_interval_s) if stop else self._sleep(self.config.poll_interval_s)
+        if not self.take_lease(stop):
+            return written
+        seen: int | None = None
+        with Idle(self._waiting_for, _log, every_s=IDLE_REPEAT_S) as idle:
+            while not stop.is_set():
+                result = self.snapshot()
+                if result is not None:
+                    idle.progress()
+                    seen = None
+                    written += 1
+                    if max_snapshots is not None and written >= max_snapshots:
+                        break
+                else:
+                    self.acquire()  # keeps the lease alive between snapshots
+                    if self.version != seen:  # the first look, or a new version: idle anew
+                        idle.progress()
+                        if seen is None and not written:
+                            self._say(f"snapshotter {self.holder}: waiting for {self._waiting_for()}")
+                        seen = self.version
+                    idle.waiting()
+                stop.wait(self.config.poll_interval_s)
         return written
+
+    def _waiting_for(self) -> str:
+        """What an idle service waits for: the trigger's condition, and where the run is."""
+        progress = Progress(self.version - self._last_snapshot_version,
+                            self._clock() - self._last_snapshot_time, self.version)
+        last = self._last_snapshot_version
+        return (f"{self.config.trigger.waits_for(progress)} to snapshot run {self.address.run_id!r} "
+                f"(its newest version is {self.version}; "
+                f"{f'last snapshot: version {last}' if last else 'no snapshot yet'})")
 
     def after_outage(self) -> None:
         """Drop the control writer after a failed attempt: its producer may be in a fatal
@@ -528,6 +645,11 @@ class CommittedSnapshots:
     def close(self) -> None:
         """Give the lease up and close connections."""
         self.snapshotter.release()
+
+
+def _wall(seconds_from_now: float) -> str:
+    """The UTC wall-clock time ``seconds_from_now``, as ``HH:MM:SS UTC``."""
+    return time.strftime("%H:%M:%S UTC", time.gmtime(time.time() + seconds_from_now))
 
 
 def _paused(snap: Snapshotter, exc: BaseException) -> None:

@@ -55,6 +55,7 @@ from eventlog.events import Resumed, RunStarted
 from eventlog.fold.engine import ControlIndex, index_control
 from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog
+from snapshotter import provenance
 from snapshotter.catalog import DELETED_BY_RETENTION, Marker, absence, load_start, markers, run_store
 from snapshotter.records import DamagedRecord, Records
 from snapshotter.store import SnapshotStore
@@ -158,6 +159,7 @@ def _patrol(report: VerifyReport, log: EventLog, address: RunAddress, workers: i
     _check_log(report, log, idx, Starts(store, log, idx, valid, workers, parts), workers, deep)
     _check_resumes(report, log, idx)
     _check_fencing(report, log, idx)
+    _check_provenance(report, address, log, idx)
 
 
 def _check_fencing(report: VerifyReport, log: EventLog, idx: ControlIndex) -> None:
@@ -226,6 +228,16 @@ def _check_resumes(report: VerifyReport, log: EventLog, idx: ControlIndex) -> No
                 f"tail; state digest {body.state_digest.hex()} equals the seal's"))
 
 
+def _check_provenance(report: VerifyReport, address: RunAddress, log: EventLog, idx: ControlIndex) -> None:
+    """Every stamp a version consumed names a sealed version with its digest
+    (``snapshotter.provenance``)."""
+    check = provenance.check_stamps(address, log, idx)
+    report.findings += [Finding(s, FAIL, d) for s, d in check.failures]
+    report.findings += [Finding(s, WARN, d) for s, d in check.warnings]
+    if check.summary:
+        report.findings.append(Finding("provenance", FAIL if check.failures else OK, check.summary))
+
+
 def _control_damage(log: EventLog, exc: RewindError, report: VerifyReport) -> bool:
     """Name the control record ``index_control`` failed on; False if every record reads
     (the error is about the run or the store, not a record)."""
@@ -266,7 +278,8 @@ def _check_snapshots(report: VerifyReport, store: SnapshotStore | None, log: Eve
         folder = store.directory(log.run_id, sid)
         if marker.end is None:
             report.findings.append(Finding(subject, WARN, f"orphan: begin marker at control "
-                                           f"offset {marker.begin_offset} but no end marker; "
+                                           f"offset {marker.begin_offset} but no end marker (its "
+                                           "snapshotter died or lost its lease while writing it); "
                                            f"files in {folder} are unused"))
             continue
         gone = absence(store, log.run_id, sid)

@@ -244,6 +244,26 @@ def _left_to_the_seal(env: Envelope) -> bool:
         isinstance(body, TensorDelta) and body.encoding == TensorDelta.GRAD)
 
 
+def _apply_or_leave_to_the_seal(state: ShardState, env: Envelope, sealed: Mapping[int, int], nbytes: int,
+                                where: str, placement: Placement) -> RewindError | None:
+    """Apply ``env``; returns the failed check that a replay's batched steps skip, if one failed:
+    a step's digests of what it predicted, or a gradient chunk's digest (a damaged name or
+    digest in the record, damaged bits, or a step that diverged). The residual chunks and the
+    seal still check the state, here as there, so the record is applied all the same and the
+    fold goes on."""
+    try:
+        state.apply(env, sealed, nbytes, where, placement=placement)
+    except (DigestMismatchError, ChunkDigestError) as exc:
+        if not _left_to_the_seal(env):
+            raise
+        if isinstance(exc, ChunkDigestError):
+            state.apply(env, sealed, nbytes, where, placement=placement, chunk_digests=False)
+        else:
+            _count_applied(state, env, nbytes, where)
+        return exc
+    return None
+
+
 def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int | None, since: int,
                   base_layout: RunStarted | None, checkpoints: list[int], walk: Walk,
                   steps: list[DamagedRecord], starts: Starts) -> tuple[int, int | None] | None:
@@ -290,26 +310,14 @@ def _fold_records(log: EventLog, idx: ControlIndex, state: ShardState, gt: int |
                 break
             where = f"run {log.run_id!r} shard {shard} offset {offset} (version {env.version})"
             try:
-                try:
-                    state.apply(env, sealed, nbytes, where, placement=placement)
-                except (DigestMismatchError, ChunkDigestError) as exc:
-                    if not _left_to_the_seal(env):
-                        raise
-                    # Only a check that a replay's batched steps skip failed: a step's
-                    # digests of what it predicted, or a gradient chunk's digest (a damaged
-                    # name or digest in the record, damaged bits, or a step that diverged).
-                    # The residual chunks and the seal still check the state, here as there.
-                    # So it is named, and the fold goes on; the steps after it, until a
-                    # checkpoint's digests match again, ran on the state it left and differ
-                    # for that reason alone.
+                failed = _apply_or_leave_to_the_seal(state, env, sealed, nbytes, where, placement)
+                if failed is not None:
+                    # The steps after it, until a checkpoint's digests match again, ran on the
+                    # state it left and differ for that reason alone: only the first is named.
                     if not diverged:
-                        steps.append(record(env.version, offset, exc))
+                        steps.append(record(env.version, offset, failed))
                         walk.damaged.append(steps[-1])
                     diverged = True
-                    if isinstance(exc, ChunkDigestError):
-                        state.apply(env, sealed, nbytes, where, placement=placement, chunk_digests=False)
-                    else:
-                        _count_applied(state, env, nbytes, where)
             except GsnOrderError as exc:  # the event applied last is the damaged one
                 damaged(env.version, applied_at, exc)
                 return env.version, applied_at

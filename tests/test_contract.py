@@ -140,7 +140,10 @@ def test_coordinator_version_cas_gsns_leases_catalog(address: RunAddress) -> Non
         t1 = coord.acquire_lease(lease, "s1", ttl_s=30)
         assert t1 is not None and coord.acquire_lease(lease, "s2", ttl_s=30) is None
         assert coord.acquire_lease(lease, "s1", ttl_s=30) == t1  # renewal keeps the token
+        held = coord.lease_holder(lease)
+        assert held is not None and held[0] == "s1" and 25 < held[1] <= 30
         coord.release_lease(lease, "s1")
+        assert coord.lease_holder(lease) is None
         t2 = coord.acquire_lease(lease, "s2", ttl_s=30)
         assert t2 is not None and t2 > t1 and coord.lease_token(lease) == t2
         coord.catalog_put(run, "snap-1", {"version": 3})

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -260,10 +261,16 @@ def _is_broker(pid: int) -> bool:
 
 
 def _start(node: int | None = None) -> subprocess.Popen[str]:
-    """Start restarting ``node`` (every node that is down if ``None``); ``_started`` waits."""
+    """Start restarting ``node`` (every node that is down if ``None``); ``_started`` waits.
+    The nodes are the ones the pid files name (``scripts/kafka env``), wherever this tree
+    is: a tree of its own would format new nodes, of another cluster."""
     args = [str(ROOT / "scripts" / "kafka"), "start", "--brokers", "3"]
+    env = dict(os.environ)
+    env.setdefault("REWIND_STATE_DIR", str(Path(PIDFILES[0]).parents[2]))
+    if os.environ.get("REWIND_KAFKA_HOME"):  # <cache>/kafka/<version>/libs
+        env.setdefault("REWIND_CACHE_DIR", str(Path(os.environ["REWIND_KAFKA_HOME"]).parents[2]))
     return subprocess.Popen(args + ([] if node is None else ["--node", str(node)]),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _started(proc: subprocess.Popen[str]) -> None:
@@ -498,6 +505,54 @@ def test_commits_in_flight_through_kills_and_below_min_insync_replicas_lose_noth
         [sys.executable, "-c", "from rewind.cli import main; main()", "verify", "--log", trainer.log_url,
          "--coord", trainer.coord_url, "--run", run_id], capture_output=True, text=True, timeout=300)
     assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-3000:]
+
+
+@pytest.mark.kafka_cluster
+@pytest.mark.exclusive
+@pytest.mark.slow
+def test_a_snapshot_that_meets_two_dead_brokers_warns_and_leaves_no_orphan_marker(
+        tmp_path: Path, cluster: None) -> None:
+    """2 of 3 brokers are SIGKILLed as the trainer's first snapshot starts (right after
+    version 10, the trigger's): the commit waiting behind it says so in a WARNING within
+    15 s, naming what it waits for. Once the brokers return, every version is sealed and
+    no snapshot was left with a begin marker and no end marker."""
+    from eventlog import RunAddress
+    from eventlog.fold.engine import index_control
+    from snapshotter.catalog import markers
+
+    run_id = f"c{os.urandom(5).hex()}"
+    trainer = Trainer(tmp_path, run_id)
+    deadline = time.monotonic() + 120
+    while not any(c.version >= 10 for c in trainer.commits()):
+        assert time.monotonic() < deadline and trainer.proc.poll() is None, trainer.stderr()
+        time.sleep(0.002)
+    # Spare the control and tensor leaders where one node leads both: then the snapshot's
+    # reads go on, and it meets the outage opening its writer (init_transactions).
+    leaders = {_partitions(f"rewindcluster.{run_id}.{topic}")[0][0] for topic in ("control", "tensors")}
+    doomed = [n for n in (1, 2, 3) if n not in leaders] if len(leaders) == 1 else [1, 2]
+    pids = [_kill(node) for node in doomed[:2]]
+    killed_at = time.monotonic()
+    while not re.search(r"WARNING waiting for .*commit", trainer.stderr_path.read_text()):
+        assert time.monotonic() - killed_at < 15, f"no WARNING within 15 s: {trainer.stderr()}"
+        time.sleep(0.1)
+    print(f"warned {time.monotonic() - killed_at:.1f} s after the kill")
+    # 20 s down: longer than a third of the 30 s lease, which must be renewed meanwhile.
+    time.sleep(max(0.0, 20 - (time.monotonic() - killed_at)))
+    _gone(*pids)
+    _started(_start())
+
+    def snapshots() -> dict[str, Any]:
+        with RunAddress(trainer.log_url, trainer.coord_url, run_id).open_log() as log:
+            return markers(index_control(log))
+
+    deadline = time.monotonic() + 180  # the trainer's snapshots try again 30 s after an outage
+    while not [m for m in snapshots().values() if m.end is not None]:
+        assert time.monotonic() < deadline, f"no snapshot after the outage: {trainer.stderr()}"
+        time.sleep(1)
+    commits = trainer.finish()
+    _assert_all_sealed(trainer, commits)
+    orphans = [sid for sid, m in snapshots().items() if m.end is None]
+    assert not orphans, f"begin markers without an end: {orphans}\n{trainer.stderr()}"
 
 
 if __name__ == "__main__":

@@ -203,7 +203,7 @@ def _free_port() -> int:
 
 @pytest.mark.kafka  # needs redis-server, which scripts/test installs
 def test_redis_auth_wrong_password_is_a_clear_error(tmp_path: Path) -> None:
-    from eventlog.redis import RedisCoordinator
+    from eventlog.redis.coordinator import RedisCoordinator
 
     port = _free_port()
     server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",

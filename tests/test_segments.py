@@ -569,7 +569,7 @@ def test_a_truncation_racing_a_read_is_named_as_truncation(tmp_path: Path) -> No
 def test_a_commit_to_more_files_than_it_keeps_open_keeps_every_byte(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Past ``Appender.MAX_OPEN`` files, the oldest is flushed and closed mid-transaction."""
-    from eventlog import segments
+    from eventlog.embedded import segments
 
     monkeypatch.setattr(segments.Appender, "MAX_OPEN", 2)
     db = tmp_path / "f.db"

@@ -7,9 +7,13 @@ import dataclasses
 import json
 import mmap
 import random
+import re
+import select
+import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +26,7 @@ from eventlog.settings import override
 from replayer.replay import replay, state_dicts
 from rewind.recorder import Recorder
 from snapshotter.catalog import markers
-from snapshotter.policies import SnapshotInfo, every_versions, keep_best, keep_every, keep_last
+from snapshotter.policies import SnapshotInfo, every_versions, keep_all, keep_best, keep_every, keep_last
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 from snapshotter.verify import FAIL, WARN, verify_run
@@ -210,6 +214,37 @@ def test_tail_is_bounded_by_the_snapshot_cadence(run: RunAddress) -> None:
     trainer.rec.close()
 
 
+def test_the_snapshot_cadence_the_readme_states(tmp_path: Path) -> None:
+    """A single-process recorder snapshots exactly on ``every_versions(10)``: 10, 20, 30. A
+    snapshotter that follows the log snapshots the newest version it finds once one is due
+    and counts on from it: looking after 12, 25, 38 and 48 versions, it writes exactly those."""
+    from rewind import Snapshots
+
+    recorded = dataclasses.replace(make_address("embedded", tmp_path / "a"),
+                                   snapshots_url=f"file://{tmp_path / 'a' / 'snapshots'}")
+    model = torch.nn.Linear(2, 1)
+    snapshots = Snapshots(every_versions(10), keep=keep_all())
+    with Recorder(recorded, model, rng=False, snapshots=snapshots) as rec:
+        for step in range(35):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            rec.commit(step, wait=True)
+    with recorded.open_log() as log:
+        assert sorted(m.version for m in markers(index_control(log)).values() if m.end) == [10, 20, 30]
+
+    followed = dataclasses.replace(make_address("embedded", tmp_path / "b"),
+                                   snapshots_url=f"file://{tmp_path / 'b' / 'snapshots'}")
+    trainer = Trainer(followed)
+    with _snapshotter(followed, trigger=every_versions(10), retention=keep_all()) as snap:
+        written = []
+        for sealed_meanwhile in (12, 13, 13, 10, 9):
+            trainer.train(sealed_meanwhile)
+            result = snap.snapshot()
+            written.append(None if result is None else result.version)
+    trainer.rec.close()
+    assert written == [12, 25, 38, 48, None]
+
+
 def test_retention_policies_compose() -> None:
     infos = [SnapshotInfo(f"s{v}", v, v * 10, {"reward": float((v * 37) % 101)}) for v in range(1, 301)]
     policy = keep_last(3) | keep_best(2, "reward") | keep_every(1000)
@@ -381,3 +416,123 @@ def test_a_replay_leaves_snapshot_checks_to_the_seal_and_checks_them_on_a_mismat
         assert report.snapshot is not None and ids[0] in report.snapshot
         assert "shard-0.safetensors" in hashed  # the second load checked the files
     trainer.rec.close()
+
+
+# ---------------------------------------------------------------- the snapshotter service, as run
+REWIND = shutil.which("rewind")
+
+
+def _address_args(address: RunAddress) -> list[str]:
+    return ["--log", address.log_url, "--coord", address.coord_url, "--run", address.run_id,
+            "--snapshots", address.snapshots_url or ""]
+
+
+def _service(address: RunAddress, *args: str) -> subprocess.Popen[str]:
+    """``rewind snapshotter`` on ``address``, a real process (output in pipes)."""
+    assert REWIND, "the rewind console script is not installed (pip install -e .)"
+    return subprocess.Popen([REWIND, "snapshotter", *_address_args(address), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _lease_taken(address: RunAddress, timeout: float = 60) -> None:
+    """Wait until some snapshotter took the run's lease (its first fencing token)."""
+    deadline = time.monotonic() + timeout
+    with address.open_coordinator() as coord:
+        while coord.lease_token(f"rewind:{address.run_id}:snapshotter") == 0:
+            assert time.monotonic() < deadline, f"no snapshotter took the lease in {timeout} s"
+            time.sleep(0.1)
+
+
+def _published(address: RunAddress) -> list[str]:
+    with address.open_log() as log:
+        return [m.snapshot_id for m in markers(index_control(log)).values() if m.end is not None]
+
+
+def _finished_run(address: RunAddress, steps: int = 3) -> None:
+    trainer = Trainer(address)
+    trainer.train(steps)
+    trainer.rec.close()
+
+
+def test_a_new_snapshotter_waits_out_the_lease_of_a_killed_one(run: RunAddress) -> None:
+    """After ``kill -9`` of a snapshotter, a new one (another holder id) says whose lease it
+    waits for and until when, takes it over once it expired, and snapshots."""
+    _finished_run(run)
+    first = _service(run)
+    _lease_taken(run)
+    first.kill()
+    first.communicate(timeout=30)
+    t0 = time.monotonic()
+    second = _service(run, "--every-versions", "1", "--max-snapshots", "1")
+    out, err = second.communicate(timeout=180)
+    seconds = time.monotonic() - t0
+    assert second.returncode == 0, err
+    assert re.search(rf"waiting for the lease of run '{run.run_id}' held by snapshotter-\w+ to expire at "
+                     r"\d\d:\d\d:\d\d UTC \(\d+ s\)", err), err
+    assert "took over the lease" in out and len(_published(run)) == 1, out
+    assert seconds < SnapshotterConfig().lease_ttl_s + 20
+
+
+def test_sigterm_stops_a_snapshotter_and_releases_its_lease(run: RunAddress) -> None:
+    _finished_run(run)
+    first = _service(run)
+    _lease_taken(run)
+    first.send_signal(signal.SIGTERM)
+    out, err = first.communicate(timeout=60)
+    assert first.returncode == 0, (first.returncode, err)
+    assert "stopped (SIGTERM); its lease is released" in out
+    with run.open_coordinator() as coord:
+        assert coord.lease_holder(f"rewind:{run.run_id}:snapshotter") is None
+    t0 = time.monotonic()
+    second = _service(run, "--every-versions", "1", "--max-snapshots", "1")
+    out, err = second.communicate(timeout=120)
+    assert second.returncode == 0 and "waiting for the lease" not in err, err
+    assert time.monotonic() - t0 < 15 and len(_published(run)) == 1
+
+
+def test_an_idle_snapshotter_says_what_it_waits_for(run: RunAddress) -> None:
+    """On a finished run with nothing due, it says at once, then as a warning once idle for
+    10 s, which version (or how much time) the next snapshot waits for."""
+    _finished_run(run)
+    service = _service(run, "--every-versions", "100", "--keep-last", "3")
+    try:
+        assert service.stdout is not None
+        said, _, _ = select.select([service.stdout], [], [], 60)
+        first = service.stdout.readline() if said else "(nothing in 60 s)"
+        assert f"waiting for version 100 or 600 s more to snapshot run '{run.run_id}' (its newest " \
+               "version is 3; no snapshot yet)" in first, first
+        time.sleep(13)  # past the 10 s after which a wait warns
+    finally:
+        service.send_signal(signal.SIGTERM)
+        _, err = service.communicate(timeout=60)
+    assert re.search(r"waiting for version 100 or \d+ s more to snapshot run .* \(1\d s so far\)", err), err
+
+
+def _snapshot_cli(address: RunAddress, *args: str) -> subprocess.CompletedProcess[str]:
+    assert REWIND, "the rewind console script is not installed (pip install -e .)"
+    return subprocess.run([REWIND, "snapshot", *_address_args(address), *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_keep_best_needs_a_mode_and_retention_names_what_it_deletes(run: RunAddress) -> None:
+    trainer = Trainer(run)
+    ids = []
+    for _ in range(3):
+        trainer.train(1)  # rewards 0, 1, 2
+        made = _snapshot_cli(run)
+        assert made.returncode == 0, made.stderr
+        ids.append(_published(run)[-1])
+    trainer.rec.close()
+    # Which loss is best is not guessed: refused before anything is written or deleted.
+    refused = _snapshot_cli(run, "--keep-best", "reward")
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout
+    assert refused.stderr.count("\n") == 1, refused.stderr
+    assert refused.stderr.startswith("error: ConfigError: "), refused.stderr
+    assert "'reward' does not say which reward is best: use reward:1:max (keep the highest) or " \
+           "reward:1:min (keep the lowest)" in refused.stderr
+    assert _published(run) == ids
+    kept = _snapshot_cli(run, "--keep-best", "reward:1:min")  # nothing new: retention only
+    assert kept.returncode == 0, kept.stderr
+    assert f"deleted snapshot {ids[1]} (version 2, step 1)" in kept.stdout, kept.stdout
+    store = SnapshotStore(run.snapshots_url or "")
+    assert set(store.list(run.run_id)) == {ids[0], ids[2]}

@@ -12,7 +12,7 @@ Modules, one job each: ``db`` (the file: schema, format marker, connections, rea
 opens), ``writer`` (fenced transactions, segment-file appends, background checkpoints),
 ``reader`` (reads and lazy decoding), ``coordinator`` (``EmbeddedCoordinator``), ``log``
 (``EmbeddedLog``, which composes them) and ``check`` (what ``rewind verify`` asks of the
-file beyond its records). Large messages' segment files: ``eventlog.segments``.
+file beyond its records). Large messages' segment files: ``eventlog.embedded.segments``.
 """
 
 from eventlog.embedded.coordinator import EmbeddedCoordinator

@@ -122,6 +122,14 @@ class EmbeddedCoordinator(Coordinator):
         return 0 if row is None else int(row[1])
 
     @wrapped
+    def lease_holder(self, name: str) -> tuple[str, float] | None:
+        row = self._db.conn().execute("SELECT holder, expires FROM leases WHERE name=?", (name,)).fetchone()
+        if row is None or row[0] is None:
+            return None
+        left = float(row[1]) - self._clock()
+        return (str(row[0]), left) if left > 0 else None
+
+    @wrapped
     def report_follower(self, run: str, follower: str, version: int) -> None:
         with self._db.txn() as c:
             c.execute(

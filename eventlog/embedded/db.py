@@ -4,6 +4,7 @@ thread (or a read-only one that creates nothing), transactions, and our errors f
 from __future__ import annotations
 
 import functools
+import logging
 import sqlite3
 import threading
 import time
@@ -16,6 +17,9 @@ import xxhash
 
 from eventlog.errors import ConfigError, CorruptStoreError, EventLogError, RewindError, RunNotFoundError
 from eventlog.ports import MessageBytes
+from eventlog.waits import warned_wait
+
+_log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -266,7 +270,9 @@ class Database:
         """BEGIN IMMEDIATE ... COMMIT, rolled back if the block raises."""
         c = c or self.conn()
         try:
-            c.execute("BEGIN IMMEDIATE")
+            with warned_wait(f"the write lock of {self.path} (another connection or process is writing it)",
+                             _log):
+                c.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             raise self.wrap(exc) from exc
         try:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from eventlog import segments
+from eventlog.embedded import segments
 from eventlog.embedded.db import (
     SUM_ENDS,
     Database,
@@ -23,8 +23,8 @@ from eventlog.embedded.db import (
 )
 from eventlog.embedded.reader import RunReader
 from eventlog.embedded.writer import EmbeddedWriter, register
-from eventlog.errors import CorruptStoreError, EventLogError
-from eventlog.ports import CONTROL, Decoded, Decoder, EventLog, LogWriter, Record
+from eventlog.errors import CorruptStoreError, EventLogError, RunNotFoundError
+from eventlog.ports import CONTROL, WEIGHTS, Decoded, Decoder, EventLog, LogWriter, Record
 from eventlog.settings import current
 
 
@@ -58,6 +58,13 @@ class EmbeddedLog(EventLog):
             c.execute("INSERT INTO runs VALUES (?,?)", (self.run_id, shards))
             for p in range(-1, shards):
                 c.execute("INSERT INTO partitions VALUES (?,?,0,0)", (self.run_id, p))
+
+    @wrapped
+    def create_weights(self) -> None:
+        with self._db.txn() as c:
+            if c.execute("SELECT 1 FROM runs WHERE run=?", (self.run_id,)).fetchone() is None:
+                raise RunNotFoundError(f"run {self.run_id!r} is not in {self.url}")
+            c.execute("INSERT OR IGNORE INTO partitions VALUES (?,?,0,0)", (self.run_id, WEIGHTS))
 
     @wrapped
     def shard_count(self) -> int | None:

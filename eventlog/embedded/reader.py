@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from eventlog import segments
+from eventlog.embedded import segments
 from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, integer_read, record_sum, wrapped
 from eventlog.errors import CorruptMessageError, CorruptStoreError, RewindError, TruncatedHistoryError
 from eventlog.ports import Decoded, Decoder, MessageStream, Record, paged

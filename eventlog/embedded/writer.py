@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from eventlog import segments
+from eventlog.embedded import segments
 from eventlog.embedded.db import SUM_ENDS, Database, record_sum
 from eventlog.errors import ConfigError, CorruptStoreError, EventLogError, FencedError
 from eventlog.ports import LogTransaction, LogWriter, MessageBytes, joined, message_size

@@ -285,7 +285,7 @@ def _in_place(steps: list[PendingStep], name: str) -> bool:
 
 def _held(delta: TensorDelta) -> int:
     """The memory a kept chunk holds: its payload's length, unless the payload is a view
-    (a segment file's map, ``eventlog.segments``), which holds only page cache the kernel
+    (a segment file's map, ``eventlog.embedded.segments``), which holds only page cache the kernel
     can drop and read again. So a replay of an embedded log batches its whole tail: each
     tile then crosses the memory bus once, not once per 256 MiB of gradients."""
     return 0 if isinstance(delta.payload, memoryview) else len(delta.payload)

@@ -35,6 +35,7 @@ from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog, MessageStream
 from eventlog.settings import current
 from eventlog.target import LATEST, Target
+from eventlog.waits import warned_wait
 
 _log = logging.getLogger(__name__)
 
@@ -297,6 +298,16 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
     """``fold_shard``'s reading: apply the shard's events after offset ``gt`` up to
     ``version``, polling the end offset again while the seal counts more (see there).
     Returns the first event past ``version`` and its offset, where it stopped at one."""
+    with contextlib.ExitStack() as short:
+        return _read_until(log, state, idx, version, gt, on_bytes, settle_s, since_version,
+                           defer_steps, placement, short)
+
+
+def _read_until(log: EventLog, state: ShardState, idx: ControlIndex, version: int, gt: int | None,
+                on_bytes: Callable[[int], None] | None, settle_s: float, since_version: int,
+                defer_steps: bool, placement: Placement,
+                short: contextlib.ExitStack) -> tuple[int, Envelope] | None:
+    """``_read_to``, which enters the warning of a wait for events the seal counts on ``short``."""
     sealed = {v: s.gsn for v, s in idx.seals.items() if v <= version}
     # The events the seals of the versions to fold count on this shard and the fold has not
     # applied: once none is owed, it stops, without reading the record after them (which
@@ -335,6 +346,11 @@ def _read_to(log: EventLog, state: ShardState, idx: ControlIndex, version: int, 
         if done or version <= since_version or not _short(state, idx, version):
             return past
         now = time.monotonic()
+        if deadline is None and not afresh:  # short, the first time: a wait that may be long
+            short.enter_context(warned_wait(
+                f"events of version {version} that its seal counts on shard {state.shard} of run "
+                f"{log.run_id!r} to become readable (read again while they come, given up after "
+                f"{settle_s:.0f} s without any)", _log))
         if deadline is None or gt != start_gt:  # short: wait settle_s from the last progress
             deadline = now + settle_s
         elif now > deadline:

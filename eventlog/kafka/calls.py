@@ -18,6 +18,7 @@ from tenacity import (
 
 from eventlog.errors import ConfigError, EventLogError, FencedError, RewindError
 from eventlog.kafka.config import REQUEST_TIMEOUT_S, logger
+from eventlog.waits import warned_wait
 
 T = TypeVar("T")
 
@@ -105,7 +106,8 @@ def retrying(attempts: int = 5, max_delay_s: float = 30.0) -> Retrying:
 def call(what: str, fn: Callable[[], T], *, attempts: int = 5) -> T:
     """Run ``fn``, retrying transient Kafka errors; raise our error once they run out."""
     try:
-        return retrying(attempts)(fn)
+        with warned_wait(f"Kafka to answer: {what} (retrying; brokers down?)", logger):
+            return retrying(attempts)(fn)
     except (KafkaException, BufferError, RuntimeError, ValueError) as exc:
         raise wrap(exc, what) from exc
 
@@ -126,6 +128,13 @@ def failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], obj
     partition just created).
     """
     within = FAILOVER_S if within is None else within
+    with warned_wait(f"a partition leader to answer: {what} (a leader change, or brokers down; retrying "
+                     f"with fresh metadata for up to {within:g} s)", logger):
+        return _failover(what, fn, refresh, unknown, within)
+
+
+def _failover(what: str, fn: Callable[[float], T], refresh: Callable[[float], object],
+              unknown: Literal["fail", "raise", "retry"], within: float) -> T:
     deadline = time.monotonic() + within
     timeout = min(1.0, within)
     while True:

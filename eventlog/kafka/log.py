@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from eventlog.errors import EventLogError
+from eventlog.errors import EventLogError, RunNotFoundError
 from eventlog.kafka.admin import (
     Watermarks,
     admin_client,
@@ -19,16 +19,19 @@ from eventlog.kafka.admin import (
 from eventlog.kafka.config import KafkaSettings, consumer_config
 from eventlog.kafka.reader import MAX_READERS, Reader, ReaderPool
 from eventlog.kafka.writer import KafkaWriter
-from eventlog.ports import CONTROL, EventLog, LogWriter, Record
+from eventlog.ports import CONTROL, WEIGHTS, EventLog, LogWriter, Record
 
 
 class KafkaLog(EventLog):
-    """A run's log on Kafka: a 1-partition control topic and an S-partition tensors topic."""
+    """A run's log on Kafka: a 1-partition control topic and an S-partition tensors topic
+    (and, once published, the 1-partition weights topic ``<prefix>.<run>.weights``)."""
 
     def __init__(self, url: str, run_id: str) -> None:
         self.settings = KafkaSettings(url)
         self.url, self.run_id = self.settings.redacted_url, run_id
         self.control_topic, self.tensors_topic = topic_names(self.settings.prefix, run_id)
+        self.weights_topic = f"{self.settings.prefix}.{run_id}.weights"
+        self._weights_created = False
         self._admin = admin_client(self.settings)
         first_contact(self._admin, self.settings, self.control_topic)
         self._shards: int | None = None  # known once the topics exist (they never shrink)
@@ -46,6 +49,8 @@ class KafkaLog(EventLog):
         partition exists, so that a writer fails now rather than in a delivery report at commit."""
         if partition == CONTROL:
             return self.control_topic, 0
+        if partition == WEIGHTS:
+            return self.weights_topic, 0
         if partition < 0:
             raise EventLogError(f"run {self.run_id!r} has no partition {partition}")
         if produce:
@@ -84,6 +89,25 @@ class KafkaLog(EventLog):
             # Also when another process created them a moment ago (rank 0 of a group).
             self._offsets.wait_placed([(t, kp) for t, n in want.items() for kp in range(n)], what)
             self._shards, self._created = shards, True
+
+    def create_weights(self) -> None:
+        """Create the weights topic (one partition) if missing; the run must exist."""
+        with self._lock:
+            if self._weights_created:
+                return
+        if self.shard_count() is None:
+            raise RunNotFoundError(f"run {self.run_id!r} is not on {self.settings.bootstrap}")
+        what = f"creating the weights topic of run {self.run_id!r} on {self.settings.bootstrap}"
+        want = {self.weights_topic: 1}
+        have = partition_counts(self._admin, (self.weights_topic,), what)
+        if have[self.weights_topic] is None:
+            create_topics(self._admin, self.settings, [self.weights_topic], want, what)
+            have = wait_for_topics(self._admin, self.settings, want, what)
+        if have[self.weights_topic] != 1:
+            raise EventLogError(f"{self.weights_topic} has {have[self.weights_topic]} partitions, not 1")
+        self._offsets.wait_placed([(self.weights_topic, 0)], what)
+        with self._lock:
+            self._weights_created = True
 
     def _counts(self, what: str) -> dict[str, int | None]:
         return partition_counts(self._admin, (self.control_topic, self.tensors_topic), what)

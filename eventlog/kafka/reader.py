@@ -17,6 +17,7 @@ from eventlog.errors import EventLogError
 from eventlog.kafka.calls import UNKNOWN, client, message_offset, wrap
 from eventlog.kafka.config import REQUEST_TIMEOUT_S, logger
 from eventlog.ports import Record
+from eventlog.waits import Idle
 
 #: ``read`` gives up when no record or end-of-partition arrives for this long.
 READ_STALL_S = 60.0
@@ -93,44 +94,50 @@ class Reader:
             self.cursor = message_offset(msg) + 1
         stalled_at = time.monotonic() + READ_STALL_S
         done = False
-        while not done and len(out) < want:
-            try:
-                # Take what is already fetched without waiting.
-                msgs = self.consumer.consume(min(want - len(out), 1000), 0)
-                if not msgs:
-                    # Transaction markers and aborted records occupy offsets without yielding
-                    # a record (consume skips them silently): once the position passes
-                    # ``stop`` there is nothing more to wait for.
-                    if self.live and not self.stash and self._position(tp, where) >= stop:
-                        break
-                    # Wait briefly for the next one; short, so the position is checked often.
-                    msgs = self.consumer.consume(1, 0.01)
-            except (KafkaException, RuntimeError) as exc:
-                raise wrap(exc, f"reading {where}") from exc
-            for msg in msgs:
-                self.live = True
-                err = msg.error()
-                if err is not None:
-                    if err.code() == KafkaError._PARTITION_EOF:
-                        done = done or message_offset(msg) >= stop
-                    elif err.fatal() or err.code() in UNKNOWN:
-                        raise EventLogError(f"reading {where}: {err.name()}: {err.str()}")
-                    else:  # librdkafka recovers from the rest itself; the stall bound still holds
-                        logger.warning("reading %s: %s: %s", where, err.name(), err.str())
-                        self._refresh(tp.topic)
-                    continue
-                stalled_at = time.monotonic() + READ_STALL_S
-                if done or message_offset(msg) >= stop or len(out) >= want:
-                    self.stash.append(msg)
-                    done = True
-                    continue
-                out.append(Record(partition, message_offset(msg), msg.value() or b""))
-                self.cursor = message_offset(msg) + 1
-            if not done and time.monotonic() > stalled_at:
-                raise EventLogError(
-                    f"reading {where}: no record for {READ_STALL_S:.0f} s before offset {stop} "
-                    f"(at {self.cursor}); is the broker reachable?"
-                )
+        stall = Idle(lambda: f"records of {where} before offset {stop} (at {self.cursor}; given up after "
+                            f"{READ_STALL_S:.0f} s without one; brokers down?)", logger)
+        with stall:
+            while not done and len(out) < want:
+                try:
+                    # Take what is already fetched without waiting.
+                    msgs = self.consumer.consume(min(want - len(out), 1000), 0)
+                    if not msgs:
+                        # Transaction markers and aborted records occupy offsets without yielding
+                        # a record (consume skips them silently): once the position passes
+                        # ``stop`` there is nothing more to wait for.
+                        if self.live and not self.stash and self._position(tp, where) >= stop:
+                            break
+                        # Wait briefly for the next one; short, so the position is checked often.
+                        msgs = self.consumer.consume(1, 0.01)
+                        if not msgs:
+                            stall.waiting()
+                except (KafkaException, RuntimeError) as exc:
+                    raise wrap(exc, f"reading {where}") from exc
+                for msg in msgs:
+                    self.live = True
+                    err = msg.error()
+                    if err is not None:
+                        if err.code() == KafkaError._PARTITION_EOF:
+                            done = done or message_offset(msg) >= stop
+                        elif err.fatal() or err.code() in UNKNOWN:
+                            raise EventLogError(f"reading {where}: {err.name()}: {err.str()}")
+                        else:  # librdkafka recovers from the rest itself; the stall bound still holds
+                            logger.warning("reading %s: %s: %s", where, err.name(), err.str())
+                            self._refresh(tp.topic)
+                        continue
+                    stalled_at = time.monotonic() + READ_STALL_S
+                    stall.progress()
+                    if done or message_offset(msg) >= stop or len(out) >= want:
+                        self.stash.append(msg)
+                        done = True
+                        continue
+                    out.append(Record(partition, message_offset(msg), msg.value() or b""))
+                    self.cursor = message_offset(msg) + 1
+                if not done and time.monotonic() > stalled_at:
+                    raise EventLogError(
+                        f"reading {where}: no record for {READ_STALL_S:.0f} s before offset {stop} "
+                        f"(at {self.cursor}); is the broker reachable?"
+                    )
         if self.live and not self.stash:
             # Everything consumed was returned, so [cursor, position) holds only markers
             # and aborted records; committed history never changes, so that stays true.

@@ -7,6 +7,7 @@ visible to ``read_committed`` consumers only once it commits.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from collections.abc import Iterator
@@ -33,7 +34,8 @@ from eventlog.kafka.config import (
     logger,
     producer_config,
 )
-from eventlog.ports import CONTROL, LogTransaction, LogWriter, MessageBytes, joined
+from eventlog.ports import LogTransaction, LogWriter, MessageBytes, joined
+from eventlog.waits import warned_wait
 
 #: One attempt of ``commit_transaction``; a commit that takes longer is logged and retried.
 COMMIT_ATTEMPT_S = 10.0
@@ -85,6 +87,8 @@ class KafkaWriter(LogWriter):
         self._delivery_error: str | None = None
         # Highest offset delivered per (topic, partition) in the open transaction.
         self._written: dict[tuple[str, int], int] = {}
+        # The log partition of each (topic, Kafka partition) produced to.
+        self._partitions: dict[tuple[str, int], int] = {}
         # Records produced in the open transaction, those with a delivery report, and those
         # the broker placed in the log.
         self._produced = self._acked = self._reported = 0
@@ -93,8 +97,11 @@ class KafkaWriter(LogWriter):
         self._producer = client(Producer, conf, "producer")
         # The transaction coordinator may still be loading (fresh broker): retry a bounded
         # number of times. A successful init fences every older producer with this id.
+        what = (f"Kafka's transaction coordinator to initialise {self._what} (init_transactions; "
+                "brokers down, or the transaction log below min.insync.replicas?)")
         try:
-            retrying(attempts=8, max_delay_s=60.0)(lambda: self._producer.init_transactions(20.0))
+            with warned_wait(what, logger):
+                retrying(attempts=8, max_delay_s=60.0)(lambda: self._producer.init_transactions(20.0))
         except KafkaException as exc:
             raise self._fail(exc, "initialising transactions") from exc
 
@@ -181,13 +188,26 @@ class KafkaWriter(LogWriter):
         """Send one record of the open transaction to ``partition``."""
         self._check_alive()
         topic, kp = self._target.locate(partition, produce=True)
+        self._partitions[(topic, kp)] = partition
         deadline = time.monotonic() + QUEUE_FULL_S
+        with contextlib.ExitStack() as full:
+            self._produce(topic, kp, value, deadline, full)
+        self._producer.poll(0)  # serve delivery reports and logs as we go
+
+    def _produce(self, topic: str, kp: int, value: bytes, deadline: float,
+                 full: contextlib.ExitStack) -> None:
+        waiting = False
         while True:
             try:
                 self._producer.produce(topic, value, partition=kp)
                 self._produced += 1
                 break
             except BufferError:
+                if not waiting:  # said once the queue stays full: a wait on the broker
+                    waiting = True
+                    full.enter_context(warned_wait(
+                        f"the broker to take records of {self._what} (its queue to {topic} [{kp}] is "
+                        "full; brokers down or slow?)", logger))
                 # The local queue is full: wait for the broker to take some (backpressure).
                 if time.monotonic() > deadline:
                     raise EventLogError(
@@ -203,7 +223,6 @@ class KafkaWriter(LogWriter):
                         f"the {MAX_MESSAGE_BYTES}-byte limit; lower REWIND_CHUNK_BYTES"
                     ) from exc
                 raise self._fail(exc, f"producing to {topic} [{kp}]") from exc
-        self._producer.poll(0)  # serve delivery reports and logs as we go
 
     def _commit(self) -> None:
         # Every record must be in the log before the commit (see _check_delivered). A
@@ -283,7 +302,7 @@ class KafkaWriter(LogWriter):
         delay = 0.001
         while pending:
             for (topic, kp), last in list(pending.items()):
-                partition = CONTROL if topic == self._target.control_topic else kp
+                partition = self._partitions.get((topic, kp), kp)
                 try:
                     left = max(0.5, deadline - time.monotonic())
                     if self._target.end_offset(partition, within=left) > last:
@@ -305,7 +324,8 @@ class KafkaWriter(LogWriter):
         if self._dead is not None:
             return  # a fenced producer's transaction is aborted by the broker
         try:
-            retrying(attempts=5)(lambda: self._producer.abort_transaction(30.0))
+            with warned_wait(f"Kafka to abort the open transaction of {self._what}", logger):
+                retrying(attempts=5)(lambda: self._producer.abort_transaction(30.0))
         except KafkaException as exc:
             error = self._fail(exc, "aborting a transaction")
             cause.add_note(f"and aborting the transaction failed: {error}")

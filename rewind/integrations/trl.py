@@ -50,6 +50,7 @@ from eventlog.backends import RunAddress
 from eventlog.capture import Stateful
 from eventlog.errors import ConfigError
 from eventlog.settings import Settings
+from rewind.integrations.base import Cadence
 from rewind.integrations.hf import RewindCallback
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
@@ -76,6 +77,8 @@ class RewindTRLCallback(RewindCallback):
     arguments are the HF callback's.
     """
 
+    owner = "RewindTRLCallback"
+
     def __init__(
         self,
         run: RunAddress | str,
@@ -84,9 +87,10 @@ class RewindTRLCallback(RewindCallback):
         extra: Mapping[str, Stateful] | None = None,
         snapshots: Snapshots | Trigger | None = None,
         settings: Settings | None = None,
+        predictive: bool = True,
     ) -> None:
         super().__init__(run, every=1 if every is None else every, extra=extra, snapshots=snapshots,
-                         settings=settings)
+                         settings=settings, predictive=predictive)
         self._asked_every = every
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
@@ -95,7 +99,8 @@ class RewindTRLCallback(RewindCallback):
         if refusal is not None:
             self._remove_resume_dir()
             raise ConfigError(refusal)
-        self._every = steps_per_buffer(args) if self._asked_every is None else self._asked_every
+        if self._asked_every is None:
+            self.cadence = Cadence(steps_per_buffer(args), self.owner, self.unit)
         super().on_train_begin(args, state, control, **kwargs)
 
     def _refusal(self, args: TrainingArguments) -> str | None:

@@ -4,6 +4,7 @@
 point (``tests.faulthook.killing_at`` puts this directory on the child's ``PYTHONPATH``):
 
 * ``commit:V:N``: inside the log transaction of version V, after N of its events;
+* ``publish:V:N``: inside the weights-stream transaction of version V, after N of its messages;
 * ``snapshot:begun``: after a snapshot's begin marker was appended;
 * ``snapshot:files:K``: after K + 1 of the snapshot's shard files were written;
 * ``snapshot:manifest``: after every data file, before the manifest;
@@ -28,7 +29,7 @@ from types import ModuleType
 from typing import Any, cast
 
 POINT = os.environ.get("REWIND_TEST_FAULT_KILL", "")
-_POINTS = re.compile(r"commit:\d+:\d+|snapshot:(begun|files:\d+|manifest|written)")
+_POINTS = re.compile(r"(commit|publish):\d+:\d+|snapshot:(begun|files:\d+|manifest|written)")
 
 #: The version the next log transaction of this thread commits (set by the version claim).
 _committing = threading.local()
@@ -59,11 +60,12 @@ def _counted(append: Callable[..., None]) -> Callable[..., None]:
     def wrapped(self: Any, *args: Any, **kwargs: Any) -> None:
         state = self.__dict__.get("_fault_count")
         if state is None:  # the transaction's first append: which version it commits
-            state = self.__dict__["_fault_count"] = [getattr(_committing, "version", None), 0]
-            _committing.version = None
-        version, appended = state
+            state = self.__dict__["_fault_count"] = [getattr(_committing, "version", None), 0,
+                                                     getattr(_committing, "kind", "commit")]
+            _committing.version, _committing.kind = None, "commit"
+        version, appended, kind = state
         if version is not None:
-            _kill_at(f"commit:{version}:{appended}")
+            _kill_at(f"{kind}:{version}:{appended}")
         state[1] = appended + 1
         append(self, *args, **kwargs)
 
@@ -125,7 +127,18 @@ def _patch_service(service: ModuleType) -> None:
     service.Snapshotter._append = wrapped
 
 
+def _patch_weightstream(stream: ModuleType) -> None:
+    publish = stream.WeightsStream.publish
+
+    def wrapped(self: Any, writer: Any, version: int, *args: Any, **kwargs: Any) -> None:
+        _committing.version, _committing.kind = version, "publish"  # its transaction follows
+        publish(self, writer, version, *args, **kwargs)
+
+    stream.WeightsStream.publish = wrapped
+
+
 _PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "eventlog.weightstream": _patch_weightstream,
     "eventlog.ports": _patch_ports,
     "eventlog.commit.pipeline": _patch_pipeline,
     "snapshotter.store": _patch_store,

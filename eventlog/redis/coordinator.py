@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -36,6 +37,9 @@ from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_expo
 
 from eventlog.errors import ConfigError, CoordinationError, StaleVersionError
 from eventlog.ports import Coordinator
+from eventlog.waits import warned_wait
+
+_log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -131,7 +135,8 @@ def _coordinated(fn: Callable[P, R]) -> Callable[P, R]:
         self: RedisCoordinator = args[0]  # type: ignore[assignment]
         what = f"Redis coordinator {self.url}: {fn.__name__}"
         try:
-            return self._retrying(fn, *args, **kwargs)
+            with warned_wait(f"Redis at {self.url} to answer {fn.__name__} (retrying; server down?)", _log):
+                return self._retrying(fn, *args, **kwargs)
         except AuthenticationError as exc:
             problem = "the password was rejected" if self._has_password else (
                 "the server requires a password and the URL gives none")
@@ -293,6 +298,20 @@ class RedisCoordinator(Coordinator):
         """The newest fencing token issued for ``name`` (0: never)."""
         raw = self._r.get(self._lease_keys(name)[1])
         return 0 if raw is None else int(raw)
+
+    @_coordinated
+    def lease_holder(self, name: str) -> tuple[str, float] | None:
+        """Who holds lease ``name`` and its seconds left, by the clock that times leases."""
+        holder, expires = self._r.hmget(self._lease_keys(name)[0], ["holder", "expires"])
+        if holder is None or expires is None:
+            return None
+        if self._clock is not None:
+            now_ms = self._clock() * 1000
+        else:
+            secs, micros = self._r.time()
+            now_ms = secs * 1000 + micros / 1000
+        left = (int(expires) - now_ms) / 1000
+        return (_text(holder), left) if left > 0 else None
 
     @_coordinated
     def report_follower(self, run: str, follower: str, version: int) -> None:

@@ -1,0 +1,1 @@
+"""The Redis backend of the coordinator port (``redis://`` and ``rediss://`` URLs)."""
