@@ -48,6 +48,7 @@ from replayer.assemble import full_state
 from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
 from rewind import allocator, distributed, fingerprint, ranks_commit
+from rewind.loaders import check_data_position
 from rewind.results import CommitResult, RestoreResult
 from rewind.snapshots import Snapshots, with_store
 from rewind.staged import StagedCommit
@@ -120,6 +121,7 @@ class Recorder:
             # Its names are the wrapped model's prefixed with "module.": recorded without the
             # wrapper, a run restores, follows and exports into the plain model.
             model = model.module
+        check_data_position(sampler, rng)
         self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng,
                                           {"extra": extra, "buffer": buffers, "small": small})
         # A version recorded with an object's tensors inside its small state (as ``small``

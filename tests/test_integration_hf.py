@@ -23,6 +23,7 @@ import pytest
 
 from replayer.audit import history
 from rewind import ConfigError, RewindError, RunAddress
+from tests.forked import events as _events
 
 #: One process imports torch and transformers once, then forks one child per run segment
 #: (a child is a whole process: a SIGKILL leaves its recorder's commits where they were).
@@ -30,15 +31,15 @@ from rewind import ConfigError, RewindError, RunAddress
 #: step's loss and gradient norm (exact, hex), and, when it finishes, the commits' codecs
 #: and a digest of every tensor and RNG of the final state.
 ZYGOTE = r'''
-import hashlib, json, os, random, signal, sys, time, traceback
+import json, os, random, signal, sys, time
 started = time.monotonic()
-import numpy as np
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import PrinterCallback
 from transformers.utils import logging as hf_logging
 from rewind import RewindError, RunAddress
 from rewind.integrations.hf import RewindCallback
+from tests.forked import case_exits, case_streams, digest, run_streams, segment_file, trainer_digests
 
 cfg = json.loads(sys.argv[1])
 hf_logging.set_verbosity_error()
@@ -77,22 +78,6 @@ class Tokens(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def digest(tree, path, out):
-    if isinstance(tree, torch.Tensor):
-        t = tree.detach().cpu().contiguous()
-        out[path] = f"{t.dtype}{list(t.shape)}:" + hashlib.sha256(t.numpy().tobytes()).hexdigest()
-    elif isinstance(tree, np.ndarray):
-        out[path] = hashlib.sha256(tree.tobytes()).hexdigest()
-    elif isinstance(tree, dict):
-        for k, v in tree.items():
-            digest(v, f"{path}/{k}", out)
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            digest(v, f"{path}/{i}", out)
-    else:
-        out[path] = repr(tree)
 
 
 class Observer(TrainerCallback):
@@ -156,12 +141,7 @@ def segment(case, run, kill, out):
     except RewindError as exc:
         observer.write(event="error", message=str(exc))
         return
-    final = {}
-    digest(trainer.model.state_dict(), "model", final)
-    digest(trainer.optimizer.state_dict(), "optimizer", final)
-    digest(trainer.lr_scheduler.state_dict(), "scheduler", final)
-    digest({"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
-           "rng", final)
+    final = trainer_digests(trainer)
     sampler = trainer.callback_handler.train_dataloader.batch_sampler.sampler
     if sampler.generator is not None:
         digest(sampler.generator.get_state(), "sampler", final)
@@ -173,57 +153,17 @@ def segment(case, run, kill, out):
                    commits=[[c.step, c.encoding, c.residual_bytes] for c in commits])
 
 
-def spawn(fn):
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            fn()
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return pid
-
-
-def wait(pid):
-    _, status = os.waitpid(pid, 0)
-    return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-
-
-def stream(name, segments):
-    """Run segments one after the other, each in its own child; their exit codes to a file."""
-    exits = []
-    for args in segments:
-        began = time.monotonic()
-        exits.append(wait(spawn(lambda: segment(*args))))
-        print(f"{name}: {time.monotonic() - began:.1f}s", file=sys.stderr, flush=True)
-    with open(os.path.join(cfg["tmp"], f"{name}.exits"), "w") as f:
-        json.dump(exits, f)
-
-
 print(f"imports: {time.monotonic() - started:.1f}s", file=sys.stderr, flush=True)
 # Four streams at once, each with its own log: every case's reference, and its chain of
 # segments (each resumes the one killed before it).
-streams = {}
+streams = case_streams(cfg["tmp"], cfg["cases"])
 for name, case in cfg["cases"].items():
-    out = lambda segment_name, name=name: os.path.join(cfg["tmp"], f"{name}-{segment_name}.jsonl")
-    streams[f"{name}-reference"] = [(case, f"{name}-reference", None, out("reference"))]
-    streams[name] = [(case, name, kill, out(str(i))) for i, kill in enumerate(case["kills"] + [None])]
     if case.get("again"):  # the finished run's command, run again
-        streams[name].append((case, name, "again", out("again")))
+        streams[name].append((case, name, "again", segment_file(cfg["tmp"], name, "again")))
     # Then train() on the finished run, forgetting resume_from_checkpoint: refused.
-    streams[name].append((case, name, "no_resume", out("no_resume")))
-pids = [spawn(lambda: stream(name, segments)) for name, segments in streams.items()]
-assert all(wait(pid) == 0 for pid in pids)
-exits = {}
-for name in cfg["cases"]:
-    exits[name] = [code for part in (f"{name}-reference", name)
-                   for code in json.load(open(os.path.join(cfg["tmp"], f"{part}.exits")))]
-print("EXITS " + json.dumps(exits), flush=True)
+    streams[name].append((case, name, "no_resume", segment_file(cfg["tmp"], name, "no_resume")))
+codes = run_streams(cfg["tmp"], streams, segment)
+print("EXITS " + json.dumps(case_exits(codes, cfg["cases"])), flush=True)
 '''
 
 
@@ -245,10 +185,6 @@ def _cases() -> dict[str, dict[str, Any]]:
                        "eval_steps": 0, "kills": [
             ["substep_end", rng.choice([4, 5])], ["step_end", rng.choice([10, 11])]]},
     }
-
-
-def _events(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _run(tmp_path: Path, cases: dict[str, dict[str, Any]]) -> dict[str, list[int]]:

@@ -89,6 +89,10 @@ def fit(cfg):
     if cfg["sampler"] == "distributed":  # its permutation follows set_epoch, not the global RNG
         sampler = DistributedSampler(data, num_replicas=1, rank=0, seed=3)
         loader = DataLoader(data, batch_size=cfg["batch"], sampler=sampler)
+    elif cfg["sampler"] == "stateful":  # torchdata's loader, its own generator, 2 worker processes
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        loader = StatefulDataLoader(data, batch_size=cfg["batch"], shuffle=True, num_workers=2,
+                                    generator=torch.Generator().manual_seed(3))
     else:
         loader = DataLoader(data, batch_size=cfg["batch"], shuffle=True)
     trainer.fit(model, ResumableLoader(loader) if cfg["wrap"] else loader)

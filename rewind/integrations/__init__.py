@@ -3,6 +3,9 @@
 * ``rewind.integrations.sb3``: Stable-Baselines3 (``pip install "rewind[sb3]"``), a
   ``RewindCallback`` that records the algorithm, its environments and its replay buffer.
 * ``rewind.integrations.hf``: the Hugging Face ``Trainer`` (``rewind[hf]``).
+* ``rewind.integrations.trl``: TRL's online RL trainers, ``GRPOTrainer`` and ``RLOOTrainer``
+  (``rewind[trl]``): the HF callback, with commits where the trainer's generated
+  completions are used up.
 * ``rewind.integrations.lightning``: Lightning (``rewind[lightning]``).
 * ``rewind.integrations.torchrl``: TorchRL (``rewind[torchrl]``), a ``RewindTorchRL`` that a
   training loop calls once per collector iteration; it records the collector's env, the loss

@@ -96,6 +96,7 @@ from eventlog.settings import Settings
 from replayer.export import HF_CONFIG
 from replayer.replay import ReplayReport, replay
 from rewind.integrations.base import RunRecording
+from rewind.loaders import generator_states, load_generators
 from rewind.results import CommitResult
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
@@ -111,41 +112,6 @@ _PROGRESS = ("epoch", "global_step", "num_input_tokens_seen", "total_flos", "bes
 #: Attributes that lead from a dataloader's ``collate_fn`` to the object it calls (the
 #: trainer's column-removing wrapper, a bound method, a ``functools.partial``).
 _COLLATOR_LINKS = ("data_collator", "__self__", "func")
-#: Attributes that lead from a dataloader to its samplers and generators.
-_LOADER_LINKS = ("generator", "synchronized_generator", "sampler", "batch_sampler")
-
-
-def _generators(loader: object) -> dict[str, torch.Generator]:
-    """Every ``torch.Generator`` reachable from ``loader`` through its samplers, by path."""
-    found: dict[str, torch.Generator] = {}
-    seen: set[int] = set()
-
-    def walk(obj: object, path: str, depth: int) -> None:
-        if obj is None or id(obj) in seen or depth > 4:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Generator):
-            found[path] = obj
-            return
-        for link in _LOADER_LINKS:
-            walk(getattr(obj, link, None), f"{path}.{link}" if path else link, depth + 1)
-
-    walk(loader, "", 0)
-    return found
-
-
-def _generator_states(loader: object) -> dict[str, torch.Tensor]:
-    return {path: g.get_state() for path, g in _generators(loader).items()}
-
-
-def _load_generators(loader: object, states: Mapping[str, torch.Tensor]) -> None:
-    """Set the live generators recorded under the same path (a sampler that creates its
-    generator when it is first iterated, and seeds it then, has none yet: nothing to set)."""
-    for path, g in _generators(loader).items():
-        if path in states:
-            g.set_state(states[path])
-
-
 def _collator_objects(collate: object) -> list[object]:
     """The objects a dataloader's ``collate_fn`` calls through (itself first)."""
     found: list[object] = []
@@ -291,13 +257,13 @@ class _Position:
     def state_dict(self) -> dict[str, Any]:
         fetched = None if self.fetches is None else self.fetches.at(self.batches)
         return {"epoch": self.epoch, "batches": self.batches, "batches_in_epoch": self.batches_in_epoch,
-                "generators": _generator_states(self.loader),
+                "generators": generator_states(self.loader),
                 "fetch_rng": None if fetched is None else fetched.rng}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.epoch, self.batches = int(state["epoch"]), int(state["batches"])
         self.batches_in_epoch = int(state["batches_in_epoch"])
-        _load_generators(self.loader, state["generators"])
+        load_generators(self.loader, state["generators"])
         self.fetch_rng = state.get("fetch_rng")  # absent in versions recorded before it was kept
 
 
@@ -533,7 +499,7 @@ class RewindCallback(TrainerCallback, RunRecording):
             # same states, and the trainer skips the batches consumed.
             self._resume_epoch = False
             GlobalRng().load_state_dict(self._epoch_start.rng)
-            _load_generators(pos.loader, self._epoch_start.generators)
+            load_generators(pos.loader, self._epoch_start.generators)
             if self._fetches is not None:
                 self._fetches.begin_epoch(pos.batches)
             return
@@ -541,7 +507,7 @@ class RewindCallback(TrainerCallback, RunRecording):
         if self._fetches is not None:
             self._fetches.begin_epoch(0)
         self._epoch_start.rng = GlobalRng().state_dict()
-        self._epoch_start.generators = _generator_states(pos.loader)
+        self._epoch_start.generators = generator_states(pos.loader)
 
     def on_step_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                       **kwargs: Any) -> None:

@@ -20,11 +20,13 @@ What a commit records, at ``on_train_batch_end`` every ``every`` optimizer steps
 * the fit loop's progress (epoch, global step, batch index, the counters Lightning's own
   mid-epoch restart reads), the state of the other callbacks (``Callback.state_dict``) and
   of the precision plugin (an AMP grad scaler);
-* through ``ResumableLoader``, the epoch's data position: the RNG state the epoch's
-  iterator was created from (so the shuffle is the same permutation) and how many batches
-  training consumed. A resume creates the iterator from that state again (the same
-  shuffle) and loads the consumed batches again (workers and their RNGs stay in step), then
-  puts the RNGs back as they were at the commit and continues on the exact next batch.
+* through ``ResumableLoader``, the epoch's data position: the RNG states the epoch's
+  iterator was created from (the global RNGs and the loader's own generators, such as a
+  ``DataLoader(generator=...)``'s or a torchdata ``StatefulDataLoader``'s sampler's), so
+  the shuffle is the same permutation, and how many batches training consumed. A resume
+  creates the iterator from those states again (the same shuffle) and loads the consumed
+  batches again (workers and their RNGs stay in step), then puts the RNGs back as they
+  were at the commit and continues on the exact next batch.
   Recording changes nothing: a recorded fit is bit-equal to the same fit with the bare
   ``DataLoader`` and no callback (``ResumableLoader`` takes back the seed drawn by the
   iterator Lightning creates only to check the loader is iterable).
@@ -68,6 +70,7 @@ from eventlog.capture import GlobalRng, Stateful
 from eventlog.errors import ConfigError, StateMismatchError
 from eventlog.settings import Settings
 from rewind.integrations.base import RunRecording
+from rewind.loaders import generator_states, load_generators
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
 
@@ -104,6 +107,8 @@ class ResumableLoader:
         self.loader = loader
         self._rng = GlobalRng()
         self._epoch_rng: dict[str, Any] | None = None
+        #: The wrapped loader's own generators as the epoch began (its sampler's shuffle).
+        self._epoch_generators: dict[str, torch.Tensor] = {}
         self._sampler_epoch: int | None = None
         self._fetched = 0
         self._pending: dict[str, Any] | None = None
@@ -124,7 +129,9 @@ class ResumableLoader:
             # Lightning sets the sampler's epoch after this iter() on a resume: set it first.
             _set_sampler_epoch(self.loader, state["sampler_epoch"])
             self._rng.load_state_dict(state["epoch_rng"])
+            load_generators(self.loader, state.get("epoch_generators", {}))
         self._epoch_rng = self._rng.state_dict()
+        self._epoch_generators = generator_states(self.loader)
         self._sampler_epoch = _sampler_epoch(self.loader)
         before = self._random_state()
         inner = iter(self.loader)
@@ -174,8 +181,9 @@ class ResumableLoader:
                                      f"{self._fetched} were loaded; prefetching loaders are not supported")
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch's position: its iterator's RNG state and the batches loaded from it."""
-        return {"epoch_rng": self._epoch_rng, "sampler_epoch": self._sampler_epoch, "fetched": self._fetched}
+        """The epoch's position: its iterator's RNG states and the batches loaded from it."""
+        return {"epoch_rng": self._epoch_rng, "epoch_generators": self._epoch_generators,
+                "sampler_epoch": self._sampler_epoch, "fetched": self._fetched}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Make the next ``iter()`` continue the recorded epoch where training left it."""
