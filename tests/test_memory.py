@@ -30,7 +30,7 @@ from rewind import Snapshots, every_versions, keep_last
 from rewind.recorder import Recorder
 
 
-from tests.memprobe import status_kib
+from benchmarks.memory import status_kib
 
 
 codec, snapshots, root = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3])

@@ -289,7 +289,7 @@ from eventlog import RunAddress
 from replayer.weights_follower import WeightsFollower
 
 
-from tests.memprobe import status_kib
+from benchmarks.memory import status_kib
 
 
 torch.manual_seed(1)
