@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ import torch
 from eventlog import IntegrityError, RunAddress, RunNotFoundError, TruncatedHistoryError
 from eventlog.errors import ConfigError
 from eventlog.ports import LogWriter
+from eventlog.waits import IDLE_REPEAT_S, Idle
 from eventlog.weightcodec import (
     CastTensor,
     WeightsConfig,
@@ -131,12 +133,25 @@ class Publisher:
             return PublishReport(len(done), sum(p.keyframe for p in done), self.version,
                                  sum(p.encoded_bytes for p in done), time.perf_counter() - t0)
 
-    def follow(self, stop: threading.Event, interval_s: float = 1.0) -> int:
-        """Publish new versions every ``interval_s`` until ``stop`` is set; returns how many."""
+    def follow(self, stop: threading.Event, interval_s: float = 1.0, *, until: float | None = None,
+               on_publish: Callable[[PublishReport], None] | None = None) -> int:
+        """Publish new versions every ``interval_s`` until ``stop`` is set (or the monotonic
+        clock reaches ``until``); ``on_publish`` sees each ``publish()`` that published some.
+        Returns how many. While the run seals nothing new it says, as a warning, what it
+        waits for."""
         total = 0
-        while not stop.is_set():
-            total += self.publish().published
-            stop.wait(interval_s)
+        with Idle(lambda: f"a version of run {self.address.run_id!r} after version {self.version} to "
+                  "publish", _log, every_s=IDLE_REPEAT_S) as idle:
+            while not stop.is_set() and (until is None or time.monotonic() < until):
+                report = self.publish()
+                total += report.published
+                if report.published:
+                    idle.progress()
+                    if on_publish is not None:
+                        on_publish(report)
+                else:
+                    idle.waiting()
+                stop.wait(interval_s)
         return total
 
     def rebuild(self) -> PublishReport:

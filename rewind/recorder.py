@@ -322,7 +322,9 @@ class Recorder:
                 self._offer_snapshot()  # the one a time trigger made due since the last commit
             self._snapshotter.close()
         elif self._snapshotter is not None:
-            self._snapshotter.stop(final=self._failure is None)
+            with warned_wait(lambda: f"the snapshotter of run {self.run_id!r} to finish its last snapshot "
+                             "before the recorder closes", _logger):
+                self._snapshotter.stop(final=self._failure is None)
         if self._steps is not None:
             self._steps.close()
         self._pipe.close()

@@ -4,6 +4,7 @@ every check a replay makes; after a damaged record, on from the oldest snapshot 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import Counter
@@ -32,9 +33,12 @@ from eventlog.fold.engine import (
 )
 from eventlog.ports import CONTROL, EventLog
 from eventlog.settings import current
+from eventlog.waits import warned_wait
 from snapshotter.catalog import Marker, load_start
 from snapshotter.records import DamagedRecord, MissingRecordsError, Records
 from snapshotter.store import SnapshotStore
+
+_logger = logging.getLogger(__name__)
 
 
 class Starts:
@@ -392,12 +396,14 @@ def _settled(records: Records, settle_s: float) -> bool:
     """Wait up to ``settle_s`` for records the newest seal counts that are not visible yet;
     whether some came."""
     deadline = time.monotonic() + settle_s
-    while True:
-        if records.newer():
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)
+    with warned_wait(lambda: f"records of shard {records.partition} that the newest seal counts "
+                     f"(up to {settle_s:.0f} s)", _logger):
+        while True:
+            if records.newer():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
 
 
 def _count_applied(state: ShardState, env: Envelope, nbytes: int, where: str) -> None:

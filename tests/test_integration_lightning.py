@@ -79,7 +79,7 @@ class Net(pl.LightningModule):
 def fit(cfg):
     torch.manual_seed(0); np.random.seed(0); random.seed(0)
     model = Net(cfg)
-    callback = RewindCallback(RunAddress(cfg["url"], cfg["url"], cfg["run"]), every_n_steps=cfg["every"])
+    callback = RewindCallback(RunAddress(cfg["url"], cfg["url"], cfg["run"]), every=cfg["every"])
     recorded = cfg.get("record", True)  # False: the same fit with no recorder at all
     trainer = pl.Trainer(max_epochs=cfg["epochs"], accelerator="cpu", devices=1,
                          callbacks=[callback] if recorded else [],

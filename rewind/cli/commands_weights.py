@@ -35,7 +35,7 @@ def publish(
     up to the newest sealed version, or with --follow as a service (one publisher per run:
     a newer one fences an older one)."""
     from eventlog.weightcodec import WeightsConfig
-    from replayer.publisher import Publisher
+    from replayer.publisher import Publisher, PublishReport
 
     address = address_of(run_dir, log, coord, run, snapshots)
     with dataclasses.replace(address, read_only=True).open_log():
@@ -45,15 +45,17 @@ def publish(
         report = pub.rebuild() if rebuild else pub.publish()
         published, keyframes, payload = report.published, report.keyframes, report.payload_bytes
         if follow:
-            stop = threading.Event()
-            deadline = None if seconds is None else time.monotonic() + seconds
-            while not stop.is_set() and (deadline is None or time.monotonic() < deadline):
-                step = pub.publish()
-                published, keyframes = published + step.published, keyframes + step.keyframes
-                payload += step.payload_bytes
-                if step.published:
-                    say(f"published up to version {pub.version}", to_stderr=json_out)
-                stop.wait(interval)
+            done: list[PublishReport] = []
+
+            def published_some(step: PublishReport) -> None:
+                done.append(step)
+                say(f"published up to version {pub.version}", to_stderr=json_out)
+
+            until = None if seconds is None else time.monotonic() + seconds
+            pub.follow(threading.Event(), interval, until=until, on_publish=published_some)
+            published += sum(d.published for d in done)
+            keyframes += sum(d.keyframes for d in done)
+            payload += sum(d.payload_bytes for d in done)
         version = pub.version
     if json_out:
         emit_json("publish", True, run=address.run_id, dtype=config.dtype, published=published,

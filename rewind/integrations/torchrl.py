@@ -305,8 +305,8 @@ class RewindTorchRL:
     ``collector``: a single-process ``Collector``; ``loss``: the loss module (its target
     networks are recorded with it); ``optimizers``: one optimizer or a mapping of them;
     ``buffer``: the replay buffer, or ``None``; ``updater``: a ``SoftUpdate`` / ``HardUpdate``,
-    or ``None``; ``extra``: more ``Stateful`` objects, their tensors recorded as deltas like
-    the buffer's.
+    or ``None``; ``extra``: more ``Stateful`` objects, recorded as every adapter records its
+    ``extra`` (tensors of 16 KiB and up as deltas).
 
     ``step(i)`` goes at the end of collector iteration ``i`` (counted from 0, as
     ``enumerate(collector, start)`` counts): a version is committed once every ``every``
@@ -341,12 +341,12 @@ class RewindTorchRL:
         small: dict[str, Stateful] = {"collector": _CollectorState(collector)}
         if updater is not None:
             small["updater"] = updater
-        tensors: dict[str, Stateful] = dict(extra or {})
-        if buffer is not None:
-            tensors["replay_buffer"] = _ReplayBufferState(buffer)
+        buffers: dict[str, Stateful] = {} if buffer is None else {"replay_buffer": _ReplayBufferState(buffer)}
+        # The adapter's own states are kept whole; the user's extras are recorded as every
+        # adapter records them (tensors of 16 KiB and up as deltas).
         self.recorder = Recorder(run, model=_modules(collector, loss), optimizer=_Optimizers(opts), rng=True,
-                                 extra=small, buffers=tensors, predictive=predictive, settings=settings,
-                                 snapshots=snapshots)
+                                 extra=extra, small=small, buffers=buffers, predictive=predictive,
+                                 settings=settings, snapshots=snapshots)
         #: What ``restore`` found (``None`` until it ran).
         self.restored: RestoreResult | None = None
         self._done = 0  # iterations the state holds
