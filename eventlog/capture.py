@@ -1,9 +1,11 @@
 """Taking a training state apart into tensors and small states, and putting it back.
 
-Tensor-holding objects (the model, the optimizer) are flattened: each tensor leaf of their
-``state_dict`` becomes a named log tensor (``model/fc.weight``,
-``optimizer/state/0/exp_avg``) and the rest of the tree becomes a small *skeleton* with
-references in place of tensors. Every other object's whole ``state_dict`` is a small state.
+Tensor-holding objects (the model, the optimizer, a recorder's ``extra`` and ``buffers``
+objects) are flattened: each tensor leaf of their ``state_dict`` becomes a named log tensor
+(``model/fc.weight``, ``optimizer/state/0/exp_avg``, ``target/fc.weight``) and the rest of
+the tree becomes a small *skeleton* with references in place of tensors. Every other
+object's whole ``state_dict`` is a small state; so is a tensor-holding object's in a log
+written before its tensors were flattened, and it loads all the same (no references).
 """
 
 from __future__ import annotations
@@ -20,9 +22,13 @@ from eventlog.errors import StateMismatchError
 from eventlog.fold.engine import RebuiltState
 from eventlog.statecodec import TensorRef
 
-#: Objects whose tensors go to the tensor shards; every other object is a small state.
-#: States whose tensors go to the tensor shards; a recorder adds its ``buffers`` to them.
+#: The roles whose tensors go to the tensor shards; a recorder adds its ``extra`` and
+#: ``buffers`` objects to them.
 TENSOR_ROLES = ("model", "optimizer")
+#: An ``extra`` object's tensors smaller than this stay in its small state: such a tensor (an
+#: RNG or generator state is 5 KiB) changes whole at each commit, or costs less there than
+#: as events of its own.
+INLINE_TENSOR_BYTES = 16 << 10
 
 
 @runtime_checkable
@@ -35,8 +41,9 @@ class Stateful(Protocol):
     def load_state_dict(self, state_dict: Any) -> Any: ...
 
 
-def flatten(prefix: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """Split a state tree into ``{log name: tensor}`` and a skeleton holding ``TensorRef`` s.
+def flatten(prefix: str, tree: Any, inline_below: int = 0) -> tuple[dict[str, torch.Tensor], Any]:
+    """Split a state tree into ``{log name: tensor}`` and a skeleton holding ``TensorRef`` s
+    (and the tensors of fewer than ``inline_below`` bytes, left in place).
 
     A tensor that is the same view of the same memory as one met before (tied weights, such
     as an embedding shared with the output layer) is recorded once: its place in the
@@ -46,6 +53,8 @@ def flatten(prefix: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
 
     def walk(node: Any, path: str) -> Any:
         if isinstance(node, torch.Tensor):
+            if stays_inline(node, inline_below):
+                return node
             view = _view_key(node)
             if view is not None and view in seen:
                 return TensorRef(seen[view])
@@ -62,6 +71,11 @@ def flatten(prefix: str, tree: Any) -> tuple[dict[str, torch.Tensor], Any]:
         return node
 
     return tensors, walk(tree, prefix)
+
+
+def stays_inline(t: torch.Tensor, below: int) -> bool:
+    """True when ``t`` has fewer than ``below`` bytes: it stays in its small state."""
+    return t.numel() * t.element_size() < below
 
 
 def _view_key(t: torch.Tensor) -> tuple[Any, ...] | None:

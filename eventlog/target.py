@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eventlog.errors import TargetNotFoundError
+from eventlog.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -19,12 +19,13 @@ class Target:
 
     @classmethod
     def parse(cls, text: str) -> Target:
-        """Parse ``latest``, ``version=V``, ``step=N``, ``gsn=G`` or ``offset=P``."""
+        """Parse ``latest``, ``version=V``, ``step=N``, ``gsn=G`` or ``offset=P``; any other
+        text is a ``ConfigError`` (a bad argument, not a target missing from a log)."""
         if text == "latest":
             return cls()
         kind, _, raw = text.partition("=")
         if kind not in cls.KINDS[1:] or not raw.strip().lstrip("-").isdigit():
-            raise TargetNotFoundError(
+            raise ConfigError(
                 f"bad replay target {text!r}: use latest, version=V, step=N, gsn=G or offset=P"
             )
         return cls(kind, int(raw))

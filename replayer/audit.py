@@ -3,6 +3,7 @@ and a timeline plot."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ import torch
 from eventlog import ConfigError, RunAddress, Target
 from eventlog.events import Envelope, EnvironmentFingerprint, Resumed
 from eventlog.fold.engine import ControlIndex, index_control
+from eventlog.provenance import Consumed
 from replayer.replay import replay, tensors_of
+from snapshotter.provenance import consumed, stamps_of
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,18 @@ class HistoryRow:
     #: A resume whose environment fingerprint differs from the run's start: each setting
     #: that differs, ``{field: [at the start, at this resume]}``.
     environment: dict[str, list[Any]] = field(default_factory=dict)
+    #: A version whose steps consumed stamped rollouts of this run: how many versions behind
+    #: it their policies were, ``{min, median, max, count}`` over the rollouts (else ``None``).
+    policy_lag: dict[str, float] | None = None
+    #: The rollouts it consumed that another run's policy produced, by run.
+    other_run_stamps: dict[str, int] = field(default_factory=dict)
 
 
 def history(address: RunAddress) -> tuple[ControlIndex, list[HistoryRow]]:
     """Every sealed version, snapshot marker, recovery and resume of the run, in log order."""
     with address.open_log() as log:
         idx = index_control(log)
+        stamps = consumed(log, idx)
     rows: list[tuple[int, HistoryRow]] = []
     last_session = None
     for info in sorted(idx.seals.values(), key=lambda i: i.offset):
@@ -53,13 +62,42 @@ def history(address: RunAddress) -> tuple[ControlIndex, list[HistoryRow]]:
         rows.append((info.offset, HistoryRow(
             "version", info.version, info.step, info.gsn, info.time_ms, info.writer,
             f"{info.seal.encoding}, {ratio:.3f} of raw", idx.metrics.get(info.version, {}),
-            info.seal.encoding, ratio)))
+            info.seal.encoding, ratio,
+            **lag_fields(address.run_id, info.version, stamps.get(info.version, [])))))
     for offset, env in idx.markers:
         kind = "snapshot-begin" if env.kind == "SnapshotBegin" else "snapshot-end"
         rows.append((offset, HistoryRow(kind, env.version, env.step, env.gsn, env.time_ms,
                                         env.writer, env.body.snapshot_id, {})))  # type: ignore[union-attr, arg-type]
     rows += resume_rows(idx)
     return idx, [r for _, r in sorted(rows, key=lambda r: r[0])]
+
+
+def lag_fields(run_id: str, version: int, records: list[Consumed]) -> dict[str, Any]:
+    """The ``policy_lag`` and ``other_run_stamps`` of a version of run ``run_id`` whose steps
+    consumed the stamps of ``records``. The median of an even count is the mean of the two
+    middle lags."""
+    lags: Counter[int] = Counter()
+    others: Counter[str] = Counter()
+    for stamp, n in stamps_of(records):
+        if stamp.run == run_id:
+            lags[version - stamp.version] += n
+        else:
+            others[stamp.run] += n
+    total = sum(lags.values())
+    if not total:
+        return {"other_run_stamps": dict(others)}
+    ordered = sorted(lags.items())
+
+    def nth(i: int) -> int:  # the i-th smallest lag, 0-based
+        for lag, n in ordered:
+            if i < n:
+                return lag
+            i -= n
+        raise AssertionError("index past the count")
+
+    median = (nth((total - 1) // 2) + nth(total // 2)) / 2
+    return {"policy_lag": {"min": ordered[0][0], "median": median, "max": ordered[-1][0], "count": total},
+            "other_run_stamps": dict(others)}
 
 
 def start_fingerprint(idx: ControlIndex) -> EnvironmentFingerprint | None:

@@ -45,6 +45,7 @@ from eventlog.capture import check_model_fits
 from eventlog.events import RunStarted
 from eventlog.fold.apply import ShardState, verify_shard
 from eventlog.fold.engine import ControlIndex, SmallStates, fold_control, fold_shard, index_control
+from eventlog.provenance import STATE, Stamp
 from eventlog.waits import IDLE_REPEAT_S, Idle
 from replayer import assemble
 from replayer.replay import replay
@@ -114,6 +115,16 @@ class ModelFollower:
             self._report()
             return result
 
+    def stamp(self) -> Stamp:
+        """``(run, version, digest)`` of the version the model holds, to attach to each rollout
+        made with it (inside ``reading()``: the version the rollout used). Raises before the
+        first version."""
+        with self.lock:
+            if not self._version:
+                raise RewindError(f"follower {self.name} holds no version yet: poll() first")
+            kind, digest = self._held_digest()
+            return Stamp(self.address.run_id, self._version, digest.hex(), kind)
+
     def follow(self, stop: threading.Event, interval_s: float = 1.0) -> int:
         """Poll every ``interval_s`` until ``stop`` is set; returns how many polls moved the
         model. An error ends the loop (raised to the caller): the model keeps its version."""
@@ -157,6 +168,10 @@ class ModelFollower:
 
     def _release(self) -> None:
         """Release what the subclass holds (threads, the log)."""
+
+    def _held_digest(self) -> tuple[str, bytes]:
+        """The kind and bytes of the digest of the version the model holds (under ``lock``)."""
+        raise NotImplementedError
 
     def _report(self) -> None:
         # The coordinator is a cache: an outage must not stop an actor from following.
@@ -209,6 +224,10 @@ class Follower(ModelFollower):
     def _release(self) -> None:
         self._pool.shutdown()
         self._log.close()
+
+    def _held_digest(self) -> tuple[str, bytes]:
+        assert self._idx is not None  # a version is held: its seal was indexed
+        return STATE, self._idx.seals[self._version].seal.state_digest
 
     # ------------------------------------------------------------------ internals
     def _latest(self) -> int:

@@ -28,6 +28,7 @@ from eventlog import (
 from eventlog.capture import flatten
 from eventlog.events import TensorDelta
 from eventlog.ports import WEIGHTS
+from eventlog.provenance import WEIGHTS as WEIGHTS_KIND
 from eventlog.weightcodec import DigestTable, serving_dtype, weights_digest
 from eventlog.weightstream import PublishedVersion, WeightsStream, check_chain
 from replayer.follower import FULL, INCREMENTAL, MODEL, NOOP, FollowResult, ModelFollower
@@ -74,6 +75,9 @@ class WeightsFollower(ModelFollower):
 
     def _release(self) -> None:
         self._log.close()
+
+    def _held_digest(self) -> tuple[str, bytes]:
+        return WEIGHTS_KIND + self.dtype, self._digest
 
     # ------------------------------------------------------------------ internals
     def _read_index(self) -> None:

@@ -35,6 +35,7 @@ from eventlog.errors import (
 
 if TYPE_CHECKING:
     from eventlog import AuthenticationError, Keyring, RunAddress, Stateful, Target
+    from eventlog.provenance import Stamp
     from eventlog.weightcodec import WeightsConfig
     from replayer.export import export
     from replayer.follower import Follower, FollowResult
@@ -57,6 +58,7 @@ else:
 
     __getattr__, __dir__ = lazy_exports(globals(), {
         "eventlog": ("AuthenticationError", "Keyring", "RunAddress", "Stateful", "Target"),
+        "eventlog.provenance": ("Stamp",),
         "eventlog.weightcodec": ("WeightsConfig",),
         "replayer.export": ("export",),
         "replayer.follower": ("Follower", "FollowResult"),
@@ -76,7 +78,7 @@ __all__ = [
     "CorruptMessageError", "CorruptStoreError", "DecodeError", "DigestMismatchError",
     "EventLogError", "FencedError", "FollowResult", "Follower", "IntegrityError", "Keyring",
     "Publisher", "Recorder", "ReplayReport", "RestoreResult", "RewindError", "RunAddress",
-    "RunNotFoundError", "Snapshots", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
+    "RunNotFoundError", "Snapshots", "Stamp", "StaleVersionError", "StateMismatchError", "Stateful", "Target",
     "TargetNotFoundError", "TruncatedHistoryError", "UnknownSchemaError", "WeightsConfig",
     "WeightsFollower", "WrongRunError",
     "every_seconds", "every_versions", "export", "keep_all", "keep_best", "keep_every",

@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from eventlog import optimstep, statecodec, tensorcodec
-from eventlog.capture import TENSOR_ROLES, Stateful, unflatten
+from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, Stateful, stays_inline, unflatten
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import DecodeError, RewindError, StateMismatchError
 from eventlog.events import Envelope, TensorSpec
@@ -147,10 +147,13 @@ def _placement_of(name: str, where: str) -> Placement:
     return Replicate() if dim is None else Shard(dim)
 
 
-def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int, world: int) -> Captured:
+def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: int, world: int,
+            inline: Iterable[str] = ()) -> Captured:
     """This rank's tensors (DTensors as their local shards) and small states, named so
-    that no two ranks' parts collide (``world``: the number of ranks)."""
-    roles = frozenset(tensor_roles)
+    that no two ranks' parts collide (``world``: the number of ranks). The tensors of the
+    ``inline`` roles under ``INLINE_TENSOR_BYTES`` stay in their small states, as
+    ``Recorder`` leaves them in a single process."""
+    roles, inline_roles = frozenset(tensor_roles), frozenset(inline)
     prefix = rank_prefix(rank)
     out = Captured()
     layout: dict[str, dict[str, Any]] = {}
@@ -162,10 +165,13 @@ def capture(objects: Mapping[str, Stateful], tensor_roles: Iterable[str], rank: 
         beside = _beside_shards(tree) if obj_name == "optimizer" else set()
 
         def leaf(t: torch.Tensor, path: str, replicable: bool = obj_name in TENSOR_ROLES,
-                 beside: set[str] = beside) -> TensorRef:
+                 beside: set[str] = beside, below: int = (INLINE_TENSOR_BYTES if obj_name in inline_roles
+                                                           else 0)) -> TensorRef | torch.Tensor:
             # ``replicable``: a plain tensor of the model or optimizer is a replica (a
-            # buffer's tensors are the rank's own, and so is an optimizer state beside a
-            # sharded one, such as AdamW's ``step``: a rank's part replays its step alone).
+            # buffer's or an extra's tensors are the rank's own, and so is an optimizer state
+            # beside a sharded one, such as AdamW's ``step``: a rank's part replays its step alone).
+            if not isinstance(t, DTensor) and stays_inline(t, below):
+                return t
             if isinstance(t, DTensor):
                 placements = tuple(t.placements)
                 local = t.to_local()

@@ -45,6 +45,7 @@ from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.optimstep import StepCapture
 from eventlog.ports import CONTROL
+from eventlog.provenance import PROVENANCE
 from eventlog.target import LATEST
 from replayer import assemble
 from replayer.replay import ReplayReport, Restorer, replay
@@ -89,6 +90,7 @@ class RankCommit:
         base = pipe.base.version
         version = base + 1 + self.skip
         failure = None
+        job.record_consumed(version, assemble.rank_prefix(g.rank) + PROVENANCE, pipe.base.small)
         try:
             part = self._write_part(job, base, version)
         except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -30,7 +30,7 @@ import torch
 from eventlog import intraop, statecodec, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.backends import RunAddress
-from eventlog.capture import TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
+from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
 from eventlog.commit.pipeline import SMALL_KINDS, CommitPipeline
 from eventlog.digests import shard_digest, tensor_digest
 from eventlog.errors import ConfigError, RewindError, RunNotFoundError, StaleVersionError
@@ -41,6 +41,7 @@ from eventlog.fold.engine import RebuiltState, SmallStates
 from eventlog.layout import assign_shards
 from eventlog.optimstep import StepCapture
 from eventlog.ports import CONTROL, Coordinator, EventLog
+from eventlog.provenance import PROVENANCE, Stamp
 from eventlog.settings import Settings, current
 from eventlog.waits import warned_wait
 from replayer.assemble import full_state
@@ -60,11 +61,14 @@ _logger = logging.getLogger(__name__)
 class Recorder:
     """Records a training run's state transitions; restores them after a crash.
 
-    ``objects`` are ``Stateful``: ``model`` and ``optimizer`` go to the tensor shards,
-    ``scheduler``, ``sampler``, the global RNGs (``rng=True``) and every ``extra`` object
-    are small states. The tensors in each ``buffers`` object's state (a replay buffer, say)
-    go to the tensor shards too, as XOR deltas: a commit writes only the chunks that
-    changed since the previous version. Use as a context manager, or call ``close()``.
+    ``objects`` are ``Stateful``. The tensors of ``model``, ``optimizer``, every ``extra``
+    object (a target network, a normalizer; but those under 16 KiB, such as RNG states:
+    ``eventlog.capture.INLINE_TENSOR_BYTES``) and every ``buffers`` object (a replay buffer)
+    go to the tensor shards as XOR deltas: a commit writes only the chunks that changed
+    since the previous version. The rest of their states, and ``scheduler``, ``sampler``, the
+    global RNGs (``rng=True``) and every ``small`` object (counters, RNG and generator
+    states: what changes whole at every commit), are small states (msgpack). Use as a
+    context manager, or call ``close()``.
 
     ``restore()`` loads the newest sealed version: from the newest valid snapshot plus the
     versions after it in the log (through ``replayer.replay``). ``snapshots`` (a trigger such
@@ -97,6 +101,7 @@ class Recorder:
         extra: Mapping[str, Stateful] | None = None,
         *,
         buffers: Mapping[str, Stateful] | None = None,
+        small: Mapping[str, Stateful] | None = None,
         shards: int | None = None,
         writer_id: str | None = None,
         max_inflight: int | None = None,
@@ -115,8 +120,12 @@ class Recorder:
             # Its names are the wrapped model's prefixed with "module.": recorded without the
             # wrapper, a run restores, follows and exports into the plain model.
             model = model.module
-        self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng, extra, buffers)
-        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(buffers or {})
+        self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng,
+                                          {"extra": extra, "buffer": buffers, "small": small})
+        # A version recorded with an object's tensors inside its small state (as ``small``
+        # objects are) restores all the same: its skeleton holds no references.
+        self._tensor_roles = frozenset(TENSOR_ROLES) | frozenset(extra or {}) | frozenset(buffers or {})
+        self._inline_roles = frozenset(extra or {})  # their small tensors stay in their small state
         settings = settings or current()
         shards = settings.shards if shards is None else shards
         max_inflight = settings.max_inflight if max_inflight is None else max_inflight
@@ -174,14 +183,23 @@ class Recorder:
         *,
         wait: bool = False,
         base_version: int | None = None,
+        consumed: Iterable[Stamp] = (),
     ) -> Future[CommitResult]:
         """Record the current state as the next version; returns a future of its result.
 
         Blocks only to copy the state out, or while ``max_inflight`` commits are queued.
         ``wait=True`` returns once the version is durable. ``base_version`` makes the commit
         optimistic: it fails with ``StaleVersionError`` unless the run is at that version.
+        ``consumed``: the stamps (``Follower.stamp()``) of the rollouts this version's steps
+        trained on, recorded as its provenance (``eventlog.provenance``); on a multi-rank run,
+        each rank gives the stamps of its own data.
         """
         self._check_usable()
+        stamps = tuple(consumed)
+        bad = next((s for s in stamps if not isinstance(s, Stamp)), None)
+        if bad is not None:
+            raise ConfigError(f"commit(consumed=...) takes Stamp objects (Follower.stamp()), got "
+                              f"{type(bad).__name__} {bad!r:.60}")
         if self._refuse:
             raise ConfigError(self._refuse)
         if self._snapshots is not None and self._snapshotter is None:
@@ -195,7 +213,8 @@ class Recorder:
         if self._group is None:
             tensors, small = self._capture()
         else:
-            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world)
+            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world,
+                                       inline=self._inline_roles)
             tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         with warned_wait(lambda: f"a free slot to stage the commit of step {step} of run {self.run_id!r} "
@@ -221,7 +240,7 @@ class Recorder:
                                staged, layout, small, Future(),
                                steps=self._steps.take() if self._steps else [], replicated=replicated,
                                environment=(fingerprint.environment(EnvironmentFingerprint.START)
-                                            if self.version == 0 else None))
+                                            if self.version == 0 else None), consumed=stamps)
             self._jobs.put(job)
         except BaseException:
             self._staging_slots.release()  # no job will give it back
@@ -266,7 +285,8 @@ class Recorder:
         if world:
             self._refuse = (f"run {self.run_id!r} was recorded by {world} ranks: a Recorder without group= "
                             "restores it (full tensors, rank 0's other states) but cannot record into it; "
-                            "continue it with group= at a world size that divides its shard count")
+                            f"continue it with group= at any world size up to its shard count "
+                            f"({self._log.shard_count()})")
         if self._steps is not None:
             self._steps.take()  # steps taken before the restore led to another state
         # The restored state becomes the XOR base of the next commit (in host buffers, as
@@ -328,7 +348,7 @@ class Recorder:
         for name, obj in self._objects.items():
             tree = obj.state_dict()
             if name in self._tensor_roles:
-                found, tree = flatten(name, tree)
+                found, tree = flatten(name, tree, INLINE_TENSOR_BYTES if name in self._inline_roles else 0)
                 tensors.update(found)
             small[name] = statecodec.pack(tree)
         return tensors, small
@@ -374,6 +394,7 @@ class Recorder:
         base = prev.version if job.base_version is None else job.base_version
         if base != prev.version:
             raise StaleVersionError(base, prev.version)
+        job.record_consumed(version, PROVENANCE, prev.small)
         specs = prev.specs
         relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != job.layout
         if relayout:
@@ -386,13 +407,16 @@ class Recorder:
         job.steps = []  # a prediction holds the gradients until it has logged them; then they may be freed
         encode_seconds = time.perf_counter() - t_encode
 
+        # A small state this process no longer records (restored with fewer objects) stays in
+        # the version as the fold keeps it: carried forward, so the seal's digest covers it.
+        small = {**prev.small, **job.small}
         layout, head = prev.layout, list[Body]()
         if relayout:
-            layout = pipe.layout_event(specs, job.small)
+            layout = pipe.layout_event(specs, small)
             head.append(layout)
             if version == 1 and job.environment is not None:
                 head.append(job.environment)
-        control = pipe.control_events(head, job.small, job.metrics)
+        control = pipe.control_events(head, small, job.metrics)
         raw = sum(len(b) for b in job.staged.values())
         # Events are written as they are encoded, so their gsns are claimed before it is known
         # which chunks changed: the most the version can have; the rest are never used.
@@ -416,11 +440,11 @@ class Recorder:
             enc = residual + (prediction.grad_bytes if prediction else 0)
             codec = pipe.codec(prediction, why_not)
             control.append(pipe.seal(base, emit.shard_counts, len(control),
-                                     [shard_digest(d) for d in tensor_digests], job.small, codec, raw, enc))
+                                     [shard_digest(d) for d in tensor_digests], small, codec, raw, enc))
             for event in control:
                 emit(CONTROL, event)
         gsn = emit.gsn
-        pipe.advance(job.staged, specs, chunk_digests, dict(job.small), version, gsn - 1)
+        pipe.advance(job.staged, specs, chunk_digests, small, version, gsn - 1)
         prev.layout = layout
         return CommitResult(version, job.step, gsn - emit.first, raw, enc, time.perf_counter() - t0, codec,
                             residual, encode_seconds)
@@ -465,10 +489,10 @@ class Recorder:
         return _restored(*restored, t0)
 
 
-def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapping[str, Stateful] | None,
-                      buffers: Mapping[str, Stateful] | None) -> dict[str, Stateful]:
+def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool,
+                      named: Mapping[str, Mapping[str, Stateful] | None]) -> dict[str, Stateful]:
     """The recorded objects by name: the model, optimizer, scheduler and sampler given (in
-    ``roles``), the global RNGs, then each ``extra`` and ``buffers`` object."""
+    ``roles``), the global RNGs, then each named object (``named``: by kind, e.g. ``extra``)."""
     objects: dict[str, Stateful] = {}
     for name, obj in zip(_ROLES, roles, strict=True):
         if obj is None:
@@ -480,9 +504,9 @@ def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool, extra: Mapp
         objects[name] = obj
     if rng:
         objects["rng"] = GlobalRng()
-    for kind, given in (("extra", extra), ("buffer", buffers)):
+    for kind, given in named.items():
         for name, obj in (given or {}).items():
-            if name in objects or name in (*_ROLES, "rng"):
+            if name in objects or name in (*_ROLES, "rng", PROVENANCE):
                 raise ConfigError(f"{kind} state name {name!r} is reserved or used twice")
             if not isinstance(obj, Stateful):
                 raise ConfigError(f"{kind} state {name!r} has no state_dict/load_state_dict")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from eventlog.events import EnvironmentFingerprint
 from eventlog.optimstep import CapturedStep
+from eventlog.provenance import Stamp, pack_consumed
 from rewind.results import CommitResult
 
 
@@ -30,3 +32,13 @@ class StagedCommit:
     #: The training thread's environment (its thread count is the training thread's, not
     #: the committer's), taken while the run has no version: version 1 logs it.
     environment: EnvironmentFingerprint | None = None
+    #: The stamps of the rollouts this version's steps consumed (``Recorder.commit(consumed=)``).
+    consumed: tuple[Stamp, ...] = ()
+
+    def record_consumed(self, version: int, name: str, base_small: Mapping[str, bytes]) -> None:
+        """Add small state ``name``, the stamps this commit consumed as ``version``'s; without
+        stamps, the base's one is carried unchanged (a version without stamps writes nothing)."""
+        if self.consumed:
+            self.small[name] = pack_consumed(version, self.consumed)
+        elif name in base_small:
+            self.small[name] = base_small[name]

@@ -55,6 +55,7 @@ from eventlog.events import Resumed, RunStarted
 from eventlog.fold.engine import ControlIndex, index_control
 from eventlog.layout import intact
 from eventlog.ports import CONTROL, EventLog
+from snapshotter import provenance
 from snapshotter.catalog import DELETED_BY_RETENTION, Marker, absence, load_start, markers, run_store
 from snapshotter.records import DamagedRecord, Records
 from snapshotter.store import SnapshotStore
@@ -158,6 +159,7 @@ def _patrol(report: VerifyReport, log: EventLog, address: RunAddress, workers: i
     _check_log(report, log, idx, Starts(store, log, idx, valid, workers, parts), workers, deep)
     _check_resumes(report, log, idx)
     _check_fencing(report, log, idx)
+    _check_provenance(report, address, log, idx)
 
 
 def _check_fencing(report: VerifyReport, log: EventLog, idx: ControlIndex) -> None:
@@ -224,6 +226,16 @@ def _check_resumes(report: VerifyReport, log: EventLog, idx: ControlIndex) -> No
             report.findings.append(Finding(
                 subject, OK, f"by {env.writer}: from {source} + {body.tail_versions} versions of log "
                 f"tail; state digest {body.state_digest.hex()} equals the seal's"))
+
+
+def _check_provenance(report: VerifyReport, address: RunAddress, log: EventLog, idx: ControlIndex) -> None:
+    """Every stamp a version consumed names a sealed version with its digest
+    (``snapshotter.provenance``)."""
+    check = provenance.check_stamps(address, log, idx)
+    report.findings += [Finding(s, FAIL, d) for s, d in check.failures]
+    report.findings += [Finding(s, WARN, d) for s, d in check.warnings]
+    if check.summary:
+        report.findings.append(Finding("provenance", FAIL if check.failures else OK, check.summary))
 
 
 def _control_damage(log: EventLog, exc: RewindError, report: VerifyReport) -> bool:

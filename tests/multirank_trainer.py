@@ -269,7 +269,7 @@ def train(cfg: dict[str, Any]) -> None:
     install_faults(kill, rank)
     address = RunAddress(cfg["log"], cfg["coord"], cfg["run"])
     rec = rewind.Recorder(address, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
-                          shards=2, snapshots=snapshots, group=dist.group.WORLD)
+                          shards=int(cfg.get("shards", 2)), snapshots=snapshots, group=dist.group.WORLD)
     try:
         restored = rec.restore()
         (out / f"restore{round_}-rank{rank}.json").write_text(json.dumps(

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.conftest import KAFKA, REDIS
 
 
 def _rewind(*args: str) -> subprocess.CompletedProcess[str]:
@@ -26,6 +29,7 @@ def test_demo_prints_bit_exact_yes_and_recover_writes_a_safe_checkpoint(tmp_path
     assert "killed (SIGKILL) during update" in demo.stdout
 
     recorded = run_dir / "recorded"
+    assert lines[-2] == f"the recorded run, for other commands: rewind history --run-dir {recorded}"
     hist = _rewind("history", "--run-dir", str(recorded), "--json")
     assert hist.returncode == 0, hist.stderr
     rows = json.loads(hist.stdout)["rows"]
@@ -48,6 +52,25 @@ def test_demo_prints_bit_exact_yes_and_recover_writes_a_safe_checkpoint(tmp_path
     assert any(k.endswith("weight") for k in model) and "param_groups" in optim
     assert json.loads((out / "recovery.json").read_text())["version"] == 8
     assert (out / "rng.msgpack").exists() and (out / "env.msgpack").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.kafka
+def test_a_demo_on_kafka_names_its_run_by_log_coordinator_and_id(tmp_path: Path) -> None:
+    """Its run is in Kafka and Redis, not in its directory: the demo prints (and ``--json``
+    gives) the ``--log --coord --run`` options that address it, and they work."""
+    log = f"kafka://{KAFKA}?prefix=rewindtest"
+    demo = _rewind("demo", "--run-dir", str(tmp_path / "demo"), "--updates", "4", "--kill-at", "2",
+                   "--log", log, "--coord", str(REDIS), "--json")
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    args = json.loads(demo.stdout)["run_args"]
+    assert args[:5] == ["--log", log, "--coord", REDIS, "--run"] and len(args) == 6, args
+    said = demo.stderr.splitlines()  # --json: the table and its lines go to stderr
+    assert said[-1] == f"the recorded run, for other commands: rewind history {shlex.join(args)}", said[-3:]
+    assert "--run-dir" not in demo.stderr
+    hist = _rewind("history", *args, "--json")
+    assert hist.returncode == 0, hist.stderr
+    assert [r["version"] for r in json.loads(hist.stdout)["rows"] if r["kind"] == "version"] == [1, 2, 3, 4]
 
 
 def test_unknown_target_and_missing_run_give_one_clear_line(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -24,8 +25,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventlog import EventLogError, RunAddress
+from eventlog import ConfigError, EventLogError, RunAddress, Target
 from rewind import Recorder
+from rewind.cli import app
 from snapshotter.policies import keep_all
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
@@ -37,6 +39,8 @@ REWIND = shutil.which("rewind")
 RUN = "contract"
 LONG_METRIC = "episode_return_mean_over_the_last_100_episodes"
 VERSIONS = 4  # steps 0..3; the snapshot is of version 2 (step 1)
+#: Every help screen: the app's and each command's.
+HELPS = ["", *(c.name or "" for c in app.registered_commands)]
 
 Result = subprocess.CompletedProcess[str]
 
@@ -94,6 +98,10 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         shutil.copytree(run, copies[name])
     _damage_a_snapshot(copies["damaged"])
     (tmp / "a-file").write_text("not a directory")
+    for name, files in (("full", ["notes.txt"]), ("stale", ["model.pt", "old/recovery.json"])):
+        for f in files:
+            (tmp / name / f).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / name / f).write_text("the user's own file")
     before = _files(run)
     rd = ["--run-dir", str(run)]
     cases: dict[str, list[str]] = {
@@ -113,6 +121,13 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "fail/verify": ["verify", "--run-dir", str(copies["damaged"]), "--json"],
         "fail/diff": ["diff", *rd, "--from", "step=0", "--exit-code", "--json"],
         "table/history": ["history", *rd],
+        "table/verify": ["verify", *rd],
+        "table/verify-damaged": ["verify", "--run-dir", str(copies["damaged"])],
+        "table/verify-by-log": ["verify", "--log", f"sqlite://{run / 'rewind.db'}", "--run", RUN],
+        "ok/export-overwrite": ["export", *rd, "--format", "safetensors", "--out", str(tmp / "stale"),
+                                "--overwrite", "--json"],
+        "version": ["--version"],
+        **{f"help/{name}": [*name.split(), "--help"] for name in HELPS},
         # usage errors: one per command
         "usage/replay": ["replay", "--bogus"],
         "usage/recover": ["recover", *rd],
@@ -126,6 +141,8 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "usage/verify": ["verify", *rd, "--workers", "0"],
         "usage/demo": ["demo", "--bogus"],
         "usage/no-such-command": ["nosuch"],
+        "usage/to-not-a-target": ["replay", *rd, "--to", "step=abc"],
+        "usage/from-not-a-target": ["diff", *rd, "--from", "step=1.5"],
         # Rewind errors
         "error/new-db": ["history", "--log", f"sqlite://{tmp / 'new' / 'rewind.db'}", "--run", RUN],
         "error/no-snapshot-store": ["replay", *rd, "--snapshots", f"file://{tmp / 'nowhere'}"],
@@ -134,11 +151,16 @@ def cli(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[s
         "error/gsn-past-end": ["replay", *rd, "--to", "gsn=99999999"],
         "error/plot-format": ["plot", *rd, "--out", str(tmp / "timeline.txt")],
         "error/export-to-a-file": ["export", *rd, "--out", str(tmp / "a-file")],
+        "error/recover-into-non-empty": ["recover", *rd, "--out", str(tmp / "full")],
+        # refused before the run is even opened
+        "error/export-into-non-empty": ["export", "--run-dir", str(tmp / "no-run"),
+                                        "--out", str(tmp / "full")],
         "ok/plot-suffix": ["plot", *rd, "--out", str(tmp / "timeline"), "--json"],
         "error/keep-best": ["snapshotter", *rd, "--keep-best", "reward:x", "--json"],
         "error/kafka": ["history", "--log", f"kafka://127.0.0.1:{_closed_port()}", "--run", RUN],
     }
-    env = {**os.environ, "COLUMNS": "80"}
+    # Output piped, no COLUMNS: tables fit 80 columns, what a pipe is given.
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
 
     def invoke(args: list[str]) -> Result:
         return subprocess.run([str(REWIND), *args], capture_output=True, text=True, timeout=300,
@@ -314,3 +336,94 @@ def test_an_unreachable_redis_fails_fast() -> None:
     with pytest.raises(CoordinationError, match="is unreachable"):
         RedisCoordinator(f"redis://127.0.0.1:{_closed_port()}/0")
     assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 1
+
+
+@pytest.mark.parametrize(("case", "option", "value"), [
+    ("usage/to-not-a-target", "--to", "step=abc"), ("usage/from-not-a-target", "--from", "step=1.5"),
+])
+def test_a_target_that_names_none_is_a_usage_error(cli: tuple[Path, dict[str, Result]], case: str,
+                                                    option: str, value: str) -> None:
+    line = _one_error_line(cli[1][case])
+    assert line.startswith(f"error: usage: Invalid value for '{option}': bad replay target '{value}': "
+                           "use latest, version=V"), line
+    with pytest.raises(ConfigError, match="bad replay target"):  # the API's word for a bad argument
+        Target.parse(value)
+
+
+def test_recover_and_export_refuse_a_non_empty_out_unless_told_to_overwrite(
+        cli: tuple[Path, dict[str, Result]]) -> None:
+    tmp, results = cli
+    for case in ("recover", "export"):
+        line = _one_error_line(results[f"error/{case}-into-non-empty"])
+        assert line == (f"error: ConfigError: --out {tmp / 'full'} is not empty: name a new or empty "
+                        "directory, or pass --overwrite to replace what it holds"), line
+    assert _files(tmp / "full") == {"notes.txt"}  # nothing written, nothing removed
+    # --overwrite: the directory then holds what this export wrote, and only that.
+    doc = _doc(results["ok/export-overwrite"], "export")
+    assert doc["files"] == [str(tmp / "stale" / "model.safetensors")]
+    assert _files(tmp / "stale") == {"model.safetensors"}
+    assert [p.name for p in tmp.iterdir() if p.name.startswith(".stale")] == []
+
+
+def test_version_and_every_help_shows_flags_as_flags(cli: tuple[Path, dict[str, Result]]) -> None:
+    from importlib.metadata import version
+
+    results = cli[1]
+    assert results["version"].returncode == 0 and results["version"].stderr == ""
+    assert results["version"].stdout == f"rewind {version('rewind')}\n"
+    assert len(HELPS) > 10
+    for name in HELPS:
+        shown = results[f"help/{name}"]
+        assert shown.returncode == 0, (name, shown.stderr)
+        assert "<bool>" not in shown.stdout, (name, shown.stdout)
+        assert re.search(r"--help +Show this message and exit", shown.stdout), (name, shown.stdout)
+        if name:
+            assert re.search(r"--json +print one JSON object", shown.stdout), (name, shown.stdout)
+    assert re.search(r"--version +print the version and exit", results["help/"].stdout)
+
+
+def test_verify_fits_80_columns_piped_naming_the_directory_of_its_paths_once(
+        cli: tuple[Path, dict[str, Result]]) -> None:
+    """The run directory given (else the one the paths share) is named once; the snapshot
+    folders and files inside it are shown relative to it."""
+    tmp, results = cli
+    for case, status, base, shown in (
+            ("table/verify", 0, tmp / "run", f"snapshots/{RUN}/v0000000002-"),
+            ("table/verify-damaged", 1, tmp / "damaged", f"snapshots/{RUN}/v0000000002-"),
+            ("table/verify-by-log", 0, tmp / "run" / "snapshots" / RUN, "v0000000002-")):
+        result = results[case]
+        assert result.returncode == status and result.stderr == "", result.stderr
+        lines = result.stdout.splitlines()
+        assert max(len(line) for line in lines) <= 80, "\n".join(lines)
+        head, said, findings = " ".join(result.stdout.split()).partition(f"(paths below are in {base})")
+        assert said and str(tmp) not in findings, result.stdout
+        assert f" {shown}" in findings.replace("(", " "), result.stdout
+
+
+def test_sb3_metrics_stay_in_the_history_metrics_column_piped(tmp_path: Path) -> None:
+    """A version's metrics (SB3's ``train/...`` names, on 80 columns) are wrapped inside their
+    column, beside their version, with each group's name once; a version without any shows -."""
+    sb3 = {"train/approx_kl": 0.0003302, "train/clip_fraction": 0.0, "train/entropy_loss": -0.693,
+           "train/explained_variance": -0.001315, "train/learning_rate": 0.0003, "train/loss": 59.04,
+           "train/n_updates": 10.0, "train/policy_gradient_loss": -0.001735, "train/value_loss": 110.6,
+           "rollout/ep_len_mean": 22.5, "rollout/ep_rew_mean": 22.5, "time/fps": 1234.0}
+    db = tmp_path / "rewind.db"
+    model = torch.nn.Linear(2, 1)
+    with Recorder(RunAddress(f"sqlite://{db}", f"sqlite://{db}", "sb3"), model, rng=False) as rec:
+        for step in range(3):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            rec.commit(step * 64, metrics=sb3 if step else None, wait=True)
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
+    result = subprocess.run([str(REWIND), "history", "--run-dir", str(tmp_path)], capture_output=True,
+                            text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, result.stdout
+    rows = [line for line in lines if re.match(r" +\d+ +\d+ +\d\d:\d\d:\d\d ", line)]
+    assert len(rows) == 3 and rows[0].endswith("  -"), result.stdout
+    column = rows[0].rindex("-")
+    assert all(line[column - 2:column] == "  " and line[column] != " " for line in rows), result.stdout
+    text = " ".join(result.stdout.split())
+    assert text.count("train: approx_kl=0.0003302") == 2 and text.count("policy_gradient_loss=-0.001735") == 2
+    assert text.count("rollout: ep_len_mean=22.5 ep_rew_mean=22.5 time: fps=1234") == 2, text

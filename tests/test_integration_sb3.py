@@ -25,10 +25,10 @@ from stable_baselines3.common.callbacks import BaseCallback, CallbackList
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.save_util import recursive_getattr
 
-from eventlog import RunAddress, serde
-from eventlog.events import TensorDelta
+from eventlog import RunAddress
 from rewind import every_versions
 from rewind.integrations.sb3 import RewindCallback
+from tests.killchain import buffer_bytes, kill_chain, run_child
 
 # Its module-scoped fixture is built once: every test of the file on one xdist worker.
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_integration_sb3")]
@@ -156,48 +156,12 @@ def trainers() -> Iterator[multiprocessing.context.ForkServerContext]:
 
 
 def _run(ctx: multiprocessing.context.ForkServerContext, cfg: dict[str, Any]) -> int | None:
-    proc = ctx.Process(target=_child, args=(cfg,))
-    proc.start()
-    proc.join(300)
-    error = Path(cfg["out"] + ".error")
-    assert not error.exists(), error.read_text()
-    return proc.exitcode
-
-
-def _losses(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    return run_child(ctx, _child, cfg)
 
 
 def _kill_chain(ctx: multiprocessing.context.ForkServerContext, tmp_path: Path, base: dict[str, Any],
                 kills: list[int]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Run the uninterrupted reference, then the run killed at ``kills`` and resumed after
-    each; assert the final states bit-equal and every resumed segment's losses equal the
-    reference's. Returns what each resume restored, and the reference losses."""
-    ref = {**base, "record": False, "kill_at": -1, "seg": 0, "out": str(tmp_path / "ref.json"),
-           "losses": str(tmp_path / "ref.jsonl")}
-    assert _run(ctx, ref) == 0
-    url = f"sqlite://{tmp_path / 'rewind.db'}"
-    restored = []
-    for seg, kill_at in enumerate([*kills, -1]):
-        cfg = {**base, "record": True, "url": url, "run": "r", "kill_at": kill_at, "seg": seg,
-               "out": str(tmp_path / f"seg{seg}.json"), "losses": str(tmp_path / "run.jsonl")}
-        code = _run(ctx, cfg)
-        assert code == (0 if kill_at < 0 else -signal.SIGKILL), f"segment {seg} exited with {code}"
-        restored.append(json.loads(Path(cfg["out"] + ".restored").read_text()))
-    final = json.loads((tmp_path / f"seg{len(kills)}.json").read_text())
-    reference = json.loads((tmp_path / "ref.json").read_text())
-    assert {k for k in reference if final[k] != reference[k]} == set()
-    assert final == reference
-
-    expected = {row["t"]: row["train"] for row in _losses(tmp_path / "ref.jsonl")}
-    rows = _losses(tmp_path / "run.jsonl")
-    for seg, kill_at in enumerate(kills):
-        # Everything the next process logged, from where it resumed to its own kill (or the end).
-        after = [r for r in rows if r["seg"] == seg + 1]
-        assert after, f"nothing was trained after kill {seg} at timestep {kill_at}"
-        assert [r["train"] for r in after] == [expected[r["t"]] for r in after]
-    assert max(r["t"] for r in rows) == max(expected)
-    return restored, list(expected.values())
+    return kill_chain(ctx, _child, tmp_path, base, kills)
 
 
 def _check_resumes(restored: list[dict[str, Any]], kills: list[int], every: int) -> None:
@@ -231,18 +195,6 @@ def test_sac_on_pendulum_with_a_wrapping_buffer_killed_five_times_ends_bit_equal
     assert any(r["snapshot"] for r in restored)  # the buffer came back from a snapshot + the log tail
 
 
-def _buffer_bytes(url: str, run: str) -> dict[int, int]:
-    """Payload bytes of the replay buffer's tensor events, by version."""
-    sizes: dict[int, int] = {}
-    with RunAddress(url, url, run).open_log() as log:
-        for shard in range(log.shard_count() or 0):
-            for record in log.scan(shard):
-                env = serde.decode(record.value)
-                if isinstance(env.body, TensorDelta) and env.body.name.startswith("replay_buffer/"):
-                    sizes[env.version] = sizes.get(env.version, 0) + len(env.body.payload)
-    return sizes
-
-
 def test_a_commit_logs_the_transitions_added_not_the_buffer(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """50 transitions into an 8x larger buffer cost the same bytes per commit: about their
@@ -256,7 +208,7 @@ def test_a_commit_logs_the_transitions_added_not_the_buffer(
         model = _model({"algo": "sac", "buffer": size, "learning_starts": 10_000})
         with RewindCallback(RunAddress(url, url, f"b{size}"), every=50) as rewind:
             model.learn(300, callback=rewind)
-        sizes = _buffer_bytes(url, f"b{size}")
+        sizes = buffer_bytes(url, f"b{size}")
         assert sorted(sizes) == list(range(1, 8))  # timesteps 0, 50, ..., 300
         per_commit[size] = [sizes[v] for v in range(2, 8)]  # each added 50 transitions
     assert isinstance(model, SAC) and model.replay_buffer is not None

@@ -30,12 +30,7 @@ from rewind import Snapshots, every_versions, keep_last
 from rewind.recorder import Recorder
 
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+from tests.memprobe import status_kib
 
 
 codec, snapshots, root = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3])

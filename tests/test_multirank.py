@@ -9,8 +9,8 @@ launcher process (a module fixture) to keep the suite short:
 * DDP replica drift fails that version's commit, naming rank and tensor;
 * a run recorded at 4 ranks restores at 2 (every full tensor bit-equal to the recorded full
   state) and continues, grows back to 4, then restores at 3 (which does not divide its 8
-  shards); ``export`` and a ``Follower`` of it get full tensors; a 2-rank run restores into
-  a plain model;
+  shards); a run of 3 shards restores at 2; ``export`` and a ``Follower`` of it get full
+  tensors; a 2-rank run restores into a plain model;
 * the random-kill matrix: FSDP2 jobs at 2 and 4 ranks, on each backend, each killed on a
   random rank at ``REWIND_MULTIRANK_MATRIX`` (default 10) random points drawn from a printed
   seed (2 in 5 inside a commit), restarted whole after each, end bit-equal to an
@@ -280,6 +280,25 @@ def test_recorded_at_4_ranks_restores_at_3_that_does_not_divide_its_shards(jobs:
     assert sorted({s.shard for s in state.layout.tensors if s.name.startswith("rank1/")}) == [2, 3, 4]
 
 
+def test_a_3_shard_run_restores_at_2_ranks_bit_equal(tmp_path: Path, pytestconfig: pytest.Config) -> None:
+    """Any world size up to the run's shard count restores, not only one that divides it: a
+    run of 3 shards (3 ranks of ``shards=1``) restores at 2 ranks, every full tensor bit-equal
+    to the recorded full state, and goes on with rank 0 on shard 0 and rank 1 on shards 1-2."""
+    jobs = Jobs(tmp_path, pytestconfig)
+    address = make_address("embedded", tmp_path / "t", "t")
+    (tmp_path / "t").mkdir()
+    jobs.add("at3", address, nproc=3, full=True, shards=1)
+    jobs.add("at2", address, nproc=2, full=True, shards=1, steps=STEPS + 2)
+    jobs.run()
+    jobs.ok("at3")
+    jobs.ok("at2")
+    assert _read(jobs.out("at2") / "full-restored.msgpack") == _read(jobs.out("at3") / "full-final.msgpack")
+    state, _ = replay(address, use_snapshots=False)
+    assert state.step == STEPS + 2 and len(state.shards) == 3
+    owned = [sorted({t.shard for t in state.layout.tensors if t.name.startswith(f"rank{r}/")}) for r in "01"]
+    assert owned == [[0], [1, 2]]
+
+
 def _advanced(state: dict[str, int], rank: int, batches: int) -> dict[str, int]:
     sampler = Sampler(48, 8, seed=rank)
     sampler.load_state_dict(state)
@@ -384,7 +403,8 @@ def test_two_rank_run_restores_into_a_plain_model(jobs: Jobs) -> None:
     with rewind.Recorder(address, model=model, optimizer=optimizer, scheduler=scheduler, sampler=sampler,
                          rng=False) as rec:
         assert rec.restore().step == STEPS
-        with pytest.raises(rewind.ConfigError, match="was recorded by 2 ranks: a Recorder without group="):
+        with pytest.raises(rewind.ConfigError, match=r"was recorded by 2 ranks: a Recorder without group=.* "
+                                                     r"at any world size up to its shard count \(4\)"):
             rec.commit(STEPS + 1)
     live = model.state_dict()
     assert all(torch.equal(live[k], v) for k, v in _full_by_name(recorded, model).items())

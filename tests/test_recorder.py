@@ -3,6 +3,7 @@ the log tail, snapshots taken by the recorder itself, and a killed trainer's res
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -14,10 +15,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventlog import ConfigError, RunAddress, Target, TruncatedHistoryError
+from eventlog import (
+    ConfigError,
+    RewindError,
+    RunAddress,
+    StaleVersionError,
+    Target,
+    TruncatedHistoryError,
+    statecodec,
+)
+from eventlog.capture import INLINE_TENSOR_BYTES, flatten
 from eventlog.fold.engine import index_control, rebuild
+from eventlog.statecodec import TensorRef
 from replayer.replay import replay
-from rewind import Snapshots, every_versions, keep_last
+from rewind import Snapshots, distributed, every_versions, keep_last
 from rewind.recorder import Recorder
 from snapshotter.service import Snapshotter
 from snapshotter.store import SnapshotStore
@@ -74,6 +85,24 @@ def test_async_commits_queue_up_and_are_all_durable_after_flush(tmp_path: Path) 
         assert [f.result().version for f in futures] == list(range(1, 9))
     with _address(tmp_path).open_log() as log:
         assert sorted(index_control(log).seals) == list(range(1, 9))
+
+
+def test_after_a_failed_commit_every_commit_is_refused_until_a_new_recorder_restores(tmp_path: Path) -> None:
+    """What the README says of a failed commit: the recorder stops; every later ``commit()``
+    raises a ``RewindError`` naming that failure; a new recorder restores and goes on."""
+    model = torch.nn.Linear(2, 1)
+    with Recorder(_address(tmp_path), model, rng=False) as rec:
+        rec.commit(0, wait=True)
+        with pytest.raises(StaleVersionError):  # the run is at version 1, not 0
+            rec.commit(1, base_version=0, wait=True)
+        stopped = (r"^recorder stopped after a failed commit \(StaleVersionError: stale version: .*\); "
+                   r"create a new Recorder and restore\(\)$")
+        for step in (1, 2):
+            with pytest.raises(RewindError, match=stopped):
+                rec.commit(step)
+    with Recorder(_address(tmp_path), model, rng=False) as rec:
+        assert rec.restore().version == 1
+        assert rec.commit(1, wait=True).result().version == 2
 
 
 def test_restore_of_a_new_run_is_fresh(tmp_path: Path) -> None:
@@ -158,6 +187,81 @@ def test_a_buffer_costs_what_was_added_and_restores_bit_equal(tmp_path: Path) ->
         assert torch.equal(again.obs.view(torch.int32), ring.obs.view(torch.int32)) and again.pos == 256
     # 8x the buffer, the same rows added: a commit's bytes follow the rows, not the buffer.
     assert added_bytes[1 << 18] < 1.2 * added_bytes[1 << 15]
+
+
+class _Target:
+    """A DQN-style target network (the online network's copy, updated by ``load_state_dict``)."""
+
+    def __init__(self, online: torch.nn.Module) -> None:
+        self.net = copy.deepcopy(online)
+
+    def state_dict(self) -> dict[str, object]:
+        return {"net": dict(self.net.state_dict()), "updates": 0}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.net.load_state_dict(state["net"])  # type: ignore[arg-type]
+
+
+def _log_bytes(address: RunAddress) -> int:
+    """Every byte the run's log holds, over all its partitions."""
+    with address.open_log() as log:
+        return sum(len(r.value) for p in log.partitions() for r in log.read(p))
+
+
+def _record_target(address: RunAddress, kind: str, versions: int) -> tuple[torch.nn.Module, _Target, int]:
+    """Record ``versions`` of a network whose head trains, with its target network passed as
+    ``kind`` (``extra`` or ``small``) and updated at each; returns them and the bytes of the
+    last version."""
+    torch.manual_seed(0)
+    online = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4))
+    target = _Target(online)
+    opt = torch.optim.SGD(online[1].parameters(), lr=0.1)
+    before = 0
+    with Recorder(address, online, opt, **{kind: {"target": target}}) as rec:  # type: ignore[arg-type]
+        for step in range(versions):
+            _train(online[1], opt)  # type: ignore[arg-type]
+            target.net.load_state_dict(online.state_dict())  # a hard update: the head changed
+            if step == versions - 1:
+                rec.flush()
+                before = _log_bytes(address)
+            rec.commit(step, wait=True)
+    return online, target, _log_bytes(address) - before
+
+
+def test_an_extra_objects_tensors_are_deltas_and_a_log_with_them_whole_restores(tmp_path: Path) -> None:
+    """A target network in ``extra`` costs the chunks that changed, not a copy per version;
+    a log that holds it whole in a small state (``small=``) restores into ``extra``."""
+    _, _, as_extra = _record_target(_address(tmp_path, "extra"), "extra", 3)
+    online, target, whole = _record_target(_address(tmp_path, "whole"), "small", 3)
+    target_bytes = sum(t.numel() * 4 for t in target.net.state_dict().values())
+    assert whole > target_bytes and as_extra < whole // 10, (as_extra, whole, target_bytes)
+    resumed = copy.deepcopy(online)
+    opt = torch.optim.SGD(resumed[1].parameters(), lr=0.1)
+    again = _Target(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)))
+    with Recorder(_address(tmp_path, "whole"), resumed, opt, extra={"target": again}) as rec:
+        assert rec.restore().step == 2
+        with torch.no_grad():
+            again.net[0].weight[0, 0] += 1
+        rec.commit(3, wait=True)  # its tensors now go to the shards
+    later = _Target(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)))
+    with Recorder(_address(tmp_path, "whole"), resumed, opt, extra={"target": later}) as rec:
+        assert rec.restore().step == 3
+    for name, t in again.net.state_dict().items():
+        assert torch.equal(later.net.state_dict()[name].view(torch.int32), t.view(torch.int32)), name
+    assert not torch.equal(later.net[0].weight, target.net[0].weight)
+
+
+def test_a_rank_takes_an_extra_objects_tensors_apart_as_a_single_process_does() -> None:
+    """Multi-rank capture: the same tensors go to the shards (as the rank's own), the same
+    small ones stay in the small state."""
+    target = _Target(torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 4)))
+    alone, _ = flatten("target", target.state_dict(), INLINE_TENSOR_BYTES)
+    part = distributed.capture({"target": target}, {"model", "optimizer", "target"}, 1, 2, inline={"target"})
+    assert sorted(alone) == ["target/net/0.weight"]
+    assert sorted(part.tensors) == ["rank1/target/net/0.weight"] and not part.replicated
+    skeleton = statecodec.unpack(part.small["rank1/target"], "target")
+    assert skeleton["net"]["0.weight"] == TensorRef("rank1/target/net/0.weight")
+    assert torch.equal(skeleton["net"]["1.weight"], target.net[1].weight)  # 4 KiB: inline
 
 
 def _train(model: torch.nn.Linear, opt: torch.optim.Optimizer) -> None:
@@ -387,3 +491,28 @@ def test_a_log_outage_pauses_trainer_snapshots_and_the_next_version_is_snapshott
         result = rec.restore()
     assert (result.snapshot_version, result.version, result.tail) == (3, 4, 1)
     assert torch.equal(fresh.weight, model.weight)
+
+
+def test_a_run_restored_with_fewer_objects_keeps_the_others_states_and_verifies(tmp_path: Path) -> None:
+    """A restart that records fewer objects (no scheduler now) still seals versions a replay
+    verifies: the states it no longer records are carried forward, as the fold keeps them."""
+    db = tmp_path / "rewind.db"
+    address = RunAddress(f"sqlite://{db}", f"sqlite://{db}", "fewer")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    with Recorder(address, model, opt, sched) as rec:
+        for step in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            sched.step()
+            rec.commit(step, wait=True)
+    with Recorder(address, model, opt) as rec:
+        assert rec.restore().version == 2
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        rec.commit(2, wait=True)
+    state, _ = replay(address, Target.parse("latest"))
+    assert state.version == 3
+    assert "scheduler" in state.small.states

@@ -26,7 +26,7 @@ from eventlog.settings import override
 from replayer.replay import replay, state_dicts
 from rewind.recorder import Recorder
 from snapshotter.catalog import markers
-from snapshotter.policies import SnapshotInfo, every_versions, keep_best, keep_every, keep_last
+from snapshotter.policies import SnapshotInfo, every_versions, keep_all, keep_best, keep_every, keep_last
 from snapshotter.service import Snapshotter, SnapshotterConfig
 from snapshotter.store import SnapshotStore
 from snapshotter.verify import FAIL, WARN, verify_run
@@ -212,6 +212,37 @@ def test_tail_is_bounded_by_the_snapshot_cadence(run: RunAddress) -> None:
         model, report = _model_at(run, Target("step", step))
         assert _bit_equal(model, trainer.states[step]) and report.tail_versions <= n  # type: ignore[attr-defined]
     trainer.rec.close()
+
+
+def test_the_snapshot_cadence_the_readme_states(tmp_path: Path) -> None:
+    """A single-process recorder snapshots exactly on ``every_versions(10)``: 10, 20, 30. A
+    snapshotter that follows the log snapshots the newest version it finds once one is due
+    and counts on from it: looking after 12, 25, 38 and 48 versions, it writes exactly those."""
+    from rewind import Snapshots
+
+    recorded = dataclasses.replace(make_address("embedded", tmp_path / "a"),
+                                   snapshots_url=f"file://{tmp_path / 'a' / 'snapshots'}")
+    model = torch.nn.Linear(2, 1)
+    snapshots = Snapshots(every_versions(10), keep=keep_all())
+    with Recorder(recorded, model, rng=False, snapshots=snapshots) as rec:
+        for step in range(35):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            rec.commit(step, wait=True)
+    with recorded.open_log() as log:
+        assert sorted(m.version for m in markers(index_control(log)).values() if m.end) == [10, 20, 30]
+
+    followed = dataclasses.replace(make_address("embedded", tmp_path / "b"),
+                                   snapshots_url=f"file://{tmp_path / 'b' / 'snapshots'}")
+    trainer = Trainer(followed)
+    with _snapshotter(followed, trigger=every_versions(10), retention=keep_all()) as snap:
+        written = []
+        for sealed_meanwhile in (12, 13, 13, 10, 9):
+            trainer.train(sealed_meanwhile)
+            result = snap.snapshot()
+            written.append(None if result is None else result.version)
+    trainer.rec.close()
+    assert written == [12, 25, 38, 48, None]
 
 
 def test_retention_policies_compose() -> None:

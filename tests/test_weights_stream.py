@@ -289,12 +289,7 @@ from eventlog import RunAddress
 from replayer.weights_follower import WeightsFollower
 
 
-def status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
+from tests.memprobe import status_kib
 
 
 torch.manual_seed(1)

@@ -18,7 +18,8 @@ An unreachable Kafka broker or Redis server fails within 5 seconds of the first 
 ``--json``, on every command: stdout holds one JSON object, ``{"command": NAME, "ok": BOOL,
 ...}``, where ``ok`` is false exactly when the exit status is 1; errors stay one line on
 stderr. The other keys, per command: demo: ``bit_exact killed_at recovered_version
-recovered_step final_digest_recovered final_digest_reference``. replay: ``report`` (the
+recovered_step final_digest_recovered final_digest_reference run_args`` (the options
+that name the recorded run to the other commands). replay: ``report`` (the
 replay report). recover: ``report files``. export: ``report format files``. history:
 ``run rows`` (each: ``kind version step gsn time_ms writer detail metrics encoding
 of_raw environment``; kind: version, recovery, resume, snapshot-begin, snapshot-end).
@@ -51,10 +52,12 @@ from __future__ import annotations
 import re
 import sys
 from collections.abc import Callable, Sequence
+from typing import Annotated
 
 import typer
 
 from eventlog import RewindError
+from eventlog.version import REWIND_VERSION
 from rewind.allocator import tune_for_replay
 from rewind.cli.commands_audit import diff, followers, history, history_lines, plot
 from rewind.cli.commands_bisect import bisect_cmd
@@ -62,7 +65,7 @@ from rewind.cli.commands_demo import demo
 from rewind.cli.commands_recovery import export, recover, replay_cmd
 from rewind.cli.commands_snapshots import snapshot, snapshotter_cmd, verify
 from rewind.cli.commands_weights import publish
-from rewind.cli.common import CHECK_FAILED, ERROR, OK, address_of, help_text
+from rewind.cli.common import CHECK_FAILED, ERROR, OK, Command, Group, address_of, help_text
 from rewind.cli.output import say, table_lines
 
 __all__ = [
@@ -71,7 +74,8 @@ __all__ = [
     "snapshotter_cmd", "table_lines", "verify",
 ]
 
-app = typer.Typer(add_completion=False, help=help_text(__doc__ or ""), pretty_exceptions_enable=False)
+app = typer.Typer(add_completion=False, help=help_text(__doc__ or ""), pretty_exceptions_enable=False,
+                  cls=Group)
 _COMMANDS: list[tuple[str, Callable[..., int]]] = [  # in the order of --help
     ("replay", replay_cmd), ("recover", recover), ("export", export), ("history", history), ("diff", diff),
     ("bisect", bisect_cmd),
@@ -79,10 +83,24 @@ _COMMANDS: list[tuple[str, Callable[..., int]]] = [  # in the order of --help
     ("verify", verify), ("publish", publish), ("demo", demo),
 ]
 for _name, _command in _COMMANDS:
-    app.command(_name)(_command)
+    app.command(_name, cls=Command)(_command)
 for _info in app.registered_commands:  # each command's help reflowed, as the app's is
     if _info.callback is not None and _info.help is None:
         _info.help = help_text(_info.callback.__doc__ or "")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        print(f"rewind {REWIND_VERSION}")  # the installed distribution's (its package metadata)
+        raise typer.Exit(OK)
+
+
+@app.callback()
+def _options(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version, help="print the version and exit")] = False,
+) -> None:
+    """The options before the command's name."""
 
 
 def one_line(text: str) -> str:

@@ -6,7 +6,7 @@ import dataclasses
 import math
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -24,6 +24,7 @@ from rewind.cli.common import (
     To,
     Workers,
     address_of,
+    checked_target,
     target_of,
 )
 from rewind.cli.output import add_notes, count, emit_json, print_lines, say, table_lines
@@ -35,6 +36,19 @@ if TYPE_CHECKING:
 def codec_label(encoding: str) -> str:
     """The codec family of an encoding text (``predictive``, ``xor-delta``, ...)."""
     return re.split(r"[/ (]", encoding, maxsplit=1)[0] or "-"
+
+
+def metrics_text(metrics: Mapping[str, float]) -> str:
+    """A version's metrics as ``name=value`` words; names in a group (SB3's ``train/...``,
+    ``rollout/...``) follow their group's name, given once: ``loss=0.5 train: kl=0.01 n=4``."""
+    groups: dict[str, list[str]] = {}
+    for name, value in sorted(metrics.items()):
+        group, _, short = name.rpartition("/")
+        groups.setdefault(group, []).append(f"{short}={value:.4g}")
+    words = groups.pop("", [])
+    for group, items in groups.items():
+        words += [f"{group}:", *items]
+    return " ".join(words) or "-"
 
 
 def history_lines(run_id: str, rows: Sequence[HistoryRow]) -> list[str]:
@@ -49,7 +63,7 @@ def history_lines(run_id: str, rows: Sequence[HistoryRow]) -> list[str]:
         head = (str(r.version), str(r.step), when)
         if r.kind == "version":
             note = notes.setdefault(r.encoding, len(notes) + 1)
-            metrics = " ".join(f"{k}={v:.4g}" for k, v in sorted(r.metrics.items())) or "-"
+            metrics = metrics_text(r.metrics)
             ratio = "-" if r.of_raw is None else f"{r.of_raw:.0%}"
             cells.append((*head, f"{codec_label(r.encoding)} [{note}]", ratio, metrics))
         elif r.kind == "recovery":
@@ -88,7 +102,7 @@ def history(
 
 
 def diff(
-    from_: Annotated[str, typer.Option("--from", help="first point, e.g. step=10")],
+    from_: Annotated[str, typer.Option("--from", callback=checked_target, help="first point, e.g. step=10")],
     to: To = "latest", json_out: AsJson = False, workers: Workers = 2,
     exit_code: Annotated[bool, typer.Option("--exit-code", help="exit 1 if any tensor differs")] = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,

@@ -3,6 +3,10 @@ checkpoint) and ``export`` (time travel to torch, safetensors or HF)."""
 
 from __future__ import annotations
 
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -83,26 +87,64 @@ def replay_cmd(
     return OK
 
 
-def out_dir(out: Path) -> None:
-    """Refuse an ``--out`` that is a file, before any replay (a directory is written into)."""
+Overwrite = Annotated[bool, typer.Option(
+    "--overwrite", help="replace a non-empty --out directory: what it holds is removed once the "
+                        "new files are written")]
+
+
+def out_dir(out: Path, overwrite: bool) -> None:
+    """Refuse, before any replay, an ``--out`` that is a file, or a directory that holds
+    anything unless ``overwrite`` (the new files would mix with the old ones)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out} is a file: name the directory to write")
+    if not overwrite and out.is_dir() and any(out.iterdir()):
+        raise ConfigError(f"--out {out} is not empty: name a new or empty directory, or pass "
+                          "--overwrite to replace what it holds")
+    if overwrite and Path.cwd().resolve().is_relative_to(out.resolve()):
+        raise ConfigError(f"--out {out} holds the current directory: --overwrite would remove it")
+
+
+@contextmanager
+def written_into(out: Path) -> Iterator[Path]:
+    """The directory to write ``out``'s files in: ``out`` itself when it is new or empty,
+    else a new directory beside it that replaces ``out`` once every file is written (a
+    failure leaves ``out`` as it was)."""
+    if not out.is_dir() or not any(out.iterdir()):
+        yield out
+        return
+    token = secrets.token_hex(4)
+    staging, old = out.parent / f".{out.name}.new-{token}", out.parent / f".{out.name}.old-{token}"
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    out.rename(old)
+    staging.rename(out)
+    shutil.rmtree(old)
+
+
+def moved(files: list[Path], written: Path, out: Path) -> list[Path]:
+    """``files``, written under ``written``, as they are named once in ``out``."""
+    return [out / p.relative_to(written) for p in files]
 
 
 def recover(
-    out: Annotated[Path, typer.Option("--out", help="checkpoint directory to write")],
-    to: To = "latest", workers: Workers = 2, json_out: AsJson = False,
+    out: Annotated[Path, typer.Option("--out", help="checkpoint directory to write (new or empty)")],
+    to: To = "latest", workers: Workers = 2, overwrite: Overwrite = False, json_out: AsJson = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,
 ) -> int:
     """Write a restorable checkpoint (torch state_dicts, msgpack states, recovery.json)."""
     from replayer.replay import write_checkpoint
 
-    out_dir(out)
+    out_dir(out, overwrite)
     target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     state, report = replay_with_progress(address, target, workers)
-    files = write_checkpoint(state, report, out)
+    with written_into(out) as where:
+        files = moved(write_checkpoint(state, report, where), where, out)
     if json_out:
         emit_json("recover", True, report=report.to_json(), files=[str(p) for p in files])
         return OK
@@ -111,13 +153,13 @@ def recover(
 
 
 def export(
-    out: Annotated[Path, typer.Option("--out", help="directory to write")],
+    out: Annotated[Path, typer.Option("--out", help="directory to write (new or empty)")],
     to: To = "latest",
     fmt: Annotated[str, typer.Option("--format", help="torch, safetensors or hf")] = "torch",
     config_hook: Annotated[str | None, typer.Option(
         "--config-hook",
         help="module:function writing HF config.json (default: the config the run recorded)")] = None,
-    workers: Workers = 2, json_out: AsJson = False,
+    workers: Workers = 2, overwrite: Overwrite = False, json_out: AsJson = False,
     run_dir: RunDir = None, log: LogUrl = None, coord: CoordUrl = None, run: RunId = None,
     snapshots: Snaps = None,
 ) -> int:
@@ -129,11 +171,12 @@ def export(
         raise ConfigError(f"unknown export format {fmt!r}; use one of {', '.join(FORMATS)}")
     if config_hook:
         load_hook(config_hook)
-    out_dir(out)
+    out_dir(out, overwrite)
     target = target_of(to)
     address = address_of(run_dir, log, coord, run, snapshots, read_only=True)
     state, report = replay_with_progress(address, target, workers)
-    files = do_export(state, report, out, fmt, config_hook)
+    with written_into(out) as where:
+        files = moved(do_export(state, report, where, fmt, config_hook), where, out)
     if json_out:
         emit_json("export", True, report=report.to_json(), format=fmt, files=[str(p) for p in files])
         return OK

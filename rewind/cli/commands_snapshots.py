@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import re
 import signal
-import textwrap
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -28,7 +30,7 @@ from rewind.cli.common import (
     Workers,
     address_of,
 )
-from rewind.cli.output import emit_json, print_lines, say, terminal_width
+from rewind.cli.output import emit_json, print_lines, say, terminal_width, wrap_words
 
 if TYPE_CHECKING:
     from snapshotter.policies import Retention, Trigger
@@ -188,11 +190,30 @@ def verify(
         emit_json("verify", report.ok, **{**dataclasses.asdict(report), "run": run_id,
                                            "findings": [dataclasses.asdict(f) for f in report.findings]})
         return status
-    width = terminal_width()
-    lines = [f"verify {run_id or '(no run can be named)'}: {'ok' if report.ok else 'PROBLEMS FOUND'}"]
-    for f in report.findings:
-        text = textwrap.wrap(f"{f.subject}: {f.detail}", width - 6, break_long_words=False,
-                             break_on_hyphens=False)
+    # Paths inside the run directory (else the directory the paths share) are shown relative
+    # to it, and it is named once.
+    base = run_dir if run_dir is not None else shared_dir([f.detail for f in report.findings])
+    details = [f.detail if base is None else relative_paths(f.detail, base) for f in report.findings]
+    shortened = base is not None and details != [f.detail for f in report.findings]
+    lines = [f"verify {run_id or '(no run can be named)'}: {'ok' if report.ok else 'PROBLEMS FOUND'}"
+             + (f" (paths below are in {base})" if shortened else "")]
+    for f, detail in zip(report.findings, details, strict=True):
+        text = wrap_words(f"{f.subject}: {detail}", terminal_width() - 6)
         lines += [f"{f.status if k == 0 else '':<4}  {part}" for k, part in enumerate(text)]
     print_lines(lines)
     return status
+
+
+def shared_dir(texts: list[str]) -> Path | None:
+    """The deepest directory that holds every absolute path ``texts`` name (``None``: they
+    name none, or share no more than a top-level directory)."""
+    paths = [m for t in texts for m in re.findall(r"(?<![\w.:/])/[^\s()'\",;]+", t)]
+    if not paths:
+        return None
+    base = Path(os.path.commonpath([os.path.dirname(p) for p in paths]))
+    return base if len(base.parts) > 2 else None
+
+
+def relative_paths(text: str, base: Path) -> str:
+    """``text`` with the paths under ``base`` written relative to it."""
+    return text.replace(f"{base.resolve()}{os.sep}", "")

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
+from typer.core import TyperCommand, TyperGroup
 
 from eventlog import ConfigError, RunAddress
 
@@ -24,6 +25,29 @@ def help_text(doc: str) -> str:
     return "\n\n".join(" ".join(p.split()).replace("``", "") for p in doc.strip().split("\n\n"))
 
 
+def flags_as_flags(params: list[Any]) -> list[Any]:
+    """``params`` with each flag (``--json``, ``--help``...) shown in help as a bare flag:
+    some typer versions print a flag's type, ``--json <bool>``, as if it took a value."""
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""
+    return params
+
+
+class Command(TyperCommand):
+    """A ``rewind`` command: its help shows flags as flags."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return flags_as_flags(super().get_params(ctx))
+
+
+class Group(TyperGroup):
+    """The ``rewind`` command group: its help shows flags as flags."""
+
+    def get_params(self, ctx: Any) -> list[Any]:
+        return flags_as_flags(super().get_params(ctx))
+
+
 console = Console()
 err = Console(stderr=True)
 
@@ -33,7 +57,21 @@ CoordUrl = Annotated[str | None, typer.Option("--coord", help="coordinator URL: 
 RunId = Annotated[str | None, typer.Option("--run", help="run id")]
 Snaps = Annotated[str | None, typer.Option(
     "--snapshots", help="snapshot store URL (file://DIR); --run-dir implies DIR/snapshots")]
-To = Annotated[str, typer.Option("--to", help="latest, version=V, step=N, gsn=G or offset=P")]
+
+
+def checked_target(value: str) -> str:
+    """A ``--to``/``--from`` value, refused as a usage error unless it names a target."""
+    from eventlog.target import Target
+
+    try:
+        Target.parse(value)
+    except ConfigError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return value
+
+
+To = Annotated[str, typer.Option(
+    "--to", callback=checked_target, help="latest, version=V, step=N, gsn=G or offset=P")]
 Workers = Annotated[int, typer.Option("--workers", min=1, help="shards replayed in parallel")]
 AsJson = Annotated[bool, typer.Option("--json", help="print one JSON object (shape: rewind --help)")]
 

@@ -49,7 +49,7 @@ def table_lines(headers: Sequence[str], rows: Sequence[Sequence[str]], *, flex: 
     left and wraps its cells at spaces, never inside a word. If a word of the last column
     does not fit there, that column's cells go on indented lines below their rows. A row
     with fewer cells than there are headers ends with a cell that spans the remaining
-    columns (wrapped alike)."""
+    columns (wrapped alike). A cell that fits under its header stays on its row."""
     width = width or terminal_width()
     n = len(headers)
     full = [r for r in rows if len(r) == n]
@@ -69,7 +69,7 @@ def table_lines(headers: Sequence[str], rows: Sequence[Sequence[str]], *, flex: 
             for k, part in enumerate(wrap_words(r[-1], width - len(head))):
                 lines.append((head if k == 0 else " " * len(head)) + part)
             continue
-        if below:
+        if below and len(r[flex]) > widths[flex]:
             lines.append("  ".join(cells_of([*r[:-1], ""])).rstrip())
             lines += [f"    {part}" for part in wrap_words(r[flex], width - 4)]
             continue

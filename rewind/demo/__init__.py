@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -44,11 +45,22 @@ class DemoResult:
     recovered_step: int
     final_digest_recovered: str
     final_digest_reference: str
+    #: The options that name the recorded run to every other ``rewind`` command.
+    run_args: tuple[str, ...] = ()
 
 
 def default_run_dir(log: str | None = None) -> Path:
     """Where the demo writes when no directory is given: one directory per kind of log."""
     return Path("rewind-demo" if log is None or log.startswith("sqlite://") else "rewind-demo-kafka")
+
+
+def run_args(address: RunAddress, run_dir: Path | None) -> tuple[str, ...]:
+    """The options that name the recorded run to the other ``rewind`` commands: its
+    directory for the demo's own embedded log (``run_dir``), else the log, coordinator and
+    run id (readers find the snapshots through the log)."""
+    if run_dir is not None:
+        return ("--run-dir", str(run_dir))
+    return ("--log", address.log_url, "--coord", address.coord_url, "--run", address.run_id)
 
 
 def _digests(path: Path) -> dict[int, str]:
@@ -137,10 +149,12 @@ def run_demo(
         ("steps compared, mismatched", f"{len(same_steps)}, {len(mismatched)}"),
         ("final trainer digest, recovered run", final_got),
         ("final trainer digest, reference run", final_want),
-        ("recorded run (rewind ... --run-dir)", str(crashed)),
-        ("log", address.log_url),
     ):
         table.add_row(k, v)
     console.print(table)
-    return DemoResult(exact, kill_at, restored["version"], restored["step"], final_got, final_want)
+    args = run_args(address, crashed if log is None else None)
+    # A line of its own, never wrapped: it is there to be copied.
+    console.print(f"the recorded run, for other commands: rewind history {shlex.join(args)}",
+                  soft_wrap=True, markup=False, highlight=False)
+    return DemoResult(exact, kill_at, restored["version"], restored["step"], final_got, final_want, args)
 

@@ -29,7 +29,8 @@ the last one):
 * the data position: the epoch, the batches consumed in it, the state of every
   ``torch.Generator`` the train dataloader and its samplers hold, and those generators and
   the RNGs as the epoch began;
-* every ``extra`` object. One that is the data collator (or the object whose method the
+* every ``extra`` object (its tensors go to the tensor shards like the model's, but for
+  those under 16 KiB). One that is the data collator (or the object whose method the
   collator is) is recorded as it was before the next batch was collated (below).
 
 Why the resume is exact. The trainer draws an epoch's batch order when the epoch begins
@@ -94,9 +95,9 @@ from eventlog.fold.engine import RebuiltState
 from eventlog.settings import Settings
 from replayer.export import HF_CONFIG
 from replayer.replay import ReplayReport, replay
-from rewind.recorder import Recorder
+from rewind.integrations.base import RunRecording
 from rewind.results import CommitResult
-from rewind.snapshots import Snapshots, with_store
+from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
 
 #: The files ``Trainer.train(resume_from_checkpoint=...)`` reads the state and weights from.
@@ -334,17 +335,30 @@ class _EpochStart:
         self.rng, self.generators = dict(state["rng"]), dict(state["generators"])
 
 
-class RewindCallback(TrainerCallback):
-    """Records a ``Trainer`` run with a ``Recorder`` and resumes it exactly (module docs).
+class RewindCallback(TrainerCallback, RunRecording):
+    """A [`TrainerCallback`] that records a [`Trainer`] run with a Rewind `Recorder` and
+    resumes it exactly (module docs).
 
-    ``run``: the run's address, or its id (backends from the environment, as ``Recorder``).
-    ``every``: commit every that many optimizer steps (and at the last). ``extra``: more
-    ``Stateful`` objects to record (their names must differ from ``model``, ``optimizer``,
-    ``scheduler``, ``sampler``, ``rng``, ``trainer``, ``data``, ``epoch_start``, ``hf_config``);
-    one that is the trainer's data collator, or the object whose method it is, is recorded
-    at the data position (module docs). ``snapshots`` and ``settings`` are passed to the
-    ``Recorder``.
+    Args:
+        run (`RunAddress` or `str`):
+            The run's address, or its id (the backends from the environment, as for `Recorder`).
+        every (`int`, *optional*, defaults to 1):
+            Commit every that many optimizer steps, and at the last one
+            (`rewind.integrations.base.Cadence`).
+        extra (`Mapping[str, Stateful]`, *optional*):
+            More objects to record; their tensors are recorded like the model's. Their names
+            must differ from `model`, `optimizer`, `scheduler`, `sampler`, `rng`, `trainer`,
+            `data`, `epoch_start` and `hf_config`. One that is the trainer's data collator, or
+            the object whose method it is, is recorded at the data position (module docs).
+        snapshots (`Snapshots` or `Trigger`, *optional*):
+            Snapshots the recorder takes, passed to the `Recorder`.
+        settings (`Settings`, *optional*):
+            Passed to the `Recorder`.
+        predictive (`bool`, *optional*, defaults to `True`):
+            The `Recorder`'s predictive codec (each step's gradients instead of its result).
     """
+
+    owner, unit = "RewindCallback", "optimizer steps"
 
     def __init__(
         self,
@@ -354,19 +368,10 @@ class RewindCallback(TrainerCallback):
         extra: Mapping[str, Stateful] | None = None,
         snapshots: Snapshots | Trigger | None = None,
         settings: Settings | None = None,
+        predictive: bool = True,
     ) -> None:
-        if every < 1:
-            raise ConfigError(f"RewindCallback(every={every}): commit every 1 or more optimizer steps")
-        clash = sorted(set(extra or {}) & set(_OWN_STATES))
-        if clash:
-            raise ConfigError(f"RewindCallback(extra=...): state name {clash[0]!r} is the callback's own")
-        address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
-        self._snapshots = None if snapshots is None else Snapshots.of(snapshots)
-        self.address = address if self._snapshots is None else with_store(address, self._snapshots)
-        self._every = every
-        self._extra = dict(extra or {})
-        self._settings = settings
-        self._recorder: Recorder | None = None
+        self._init_recording(run, every, extra, snapshots, settings, predictive, own=_OWN_STATES)
+        self.address = self._address()
         self._trainer = _TrainerState()
         self._position = _Position()
         self._epoch_start = _EpochStart()
@@ -388,11 +393,6 @@ class RewindCallback(TrainerCallback):
         self._mark: dict[str, Any] | None = None
         self._last: Future[CommitResult] | None = None
         self._last_step = -1
-
-    @property
-    def recorder(self) -> Recorder | None:
-        """The recorder while training runs (``None`` before ``train()`` and after it)."""
-        return self._recorder
 
     @property
     def last_commit(self) -> Future[CommitResult] | None:
@@ -478,23 +478,20 @@ class RewindCallback(TrainerCallback):
         if self._fetches is not None:
             extra.update({n: _AtFetch(n, o, self._fetches, self._position)
                           for n, o in self._fetches.objects.items()})
-        self._recorder = Recorder(
-            self.address, model=model, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler"),
-            extra={**own, **extra},
-            snapshots=self._snapshots, settings=self._settings,
-            restorer=None if rebuilt is None else (lambda _log: rebuilt),
-        )
-        result = self._recorder.restore()
+        self._open(own, extra, model=model, optimizer=optimizer, scheduler=kwargs.get("lr_scheduler"),
+                   restorer=None if rebuilt is None else (lambda _log: rebuilt))
+        result = self._restore()
         self._remove_resume_dir()
         self._check_resume(result.step, result.fresh, begins_at, finished)
         self._last_step = state.global_step
+        self.cadence.reset(state.global_step)
         if finished is not None:
             # The trainer counts the steps this train() made from the step it was told.
             state.global_step = finished[1]
             self._finished = finished
         self._resume_epoch = self._position.mid_epoch and finished is None
         if self._resume_epoch and args.ignore_data_skip:
-            self._close()
+            self.close()
             raise ConfigError("RewindCallback: ignore_data_skip=True would train the batches of the "
                               f"resumed epoch again (run {self.address.run_id!r} stopped mid-epoch)")
         self._mark = GlobalRng().state_dict()
@@ -513,7 +510,7 @@ class RewindCallback(TrainerCallback):
         expected = (restored or 0) if finished is None else finished[1]
         if begins_at == expected and (finished is None or restored == finished[0]):
             return
-        self._close()
+        self.close()
         if fresh:
             raise RewindError(f"run {self.address.run_id!r} has recorded nothing, but train() resumes "
                               f"at step {begins_at}: a Rewind run starts at step 0")
@@ -527,7 +524,7 @@ class RewindCallback(TrainerCallback):
         if self._recorder is not None and state.global_step >= state.max_steps:
             # A finished run the trainer would train further (checkpoint() did not see the
             # trainer's arguments): refused, not one more step.
-            self._close()
+            self.close()
             raise RewindError(f"run {self.address.run_id!r} is finished (step {state.global_step} of "
                               f"{state.max_steps}) but the trainer is about to train another epoch: pass "
                               "the callback as Trainer(callbacks=[...]) so checkpoint() sees its arguments")
@@ -559,8 +556,8 @@ class RewindCallback(TrainerCallback):
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                     **kwargs: Any) -> None:
         self._position.batches += 1
-        if state.global_step % self._every == 0 or state.global_step >= state.max_steps:
-            self._commit(state.global_step)
+        if self.cadence.due(state.global_step) or state.global_step >= state.max_steps:
+            self._commit_step(state.global_step)
         self._mark = GlobalRng().state_dict()
         if self._fetches is not None:
             self._fetches.consumed(self._position.batches)
@@ -580,19 +577,14 @@ class RewindCallback(TrainerCallback):
         if self._finished is not None:
             state.global_step, self._finished = self._finished[0], None
         if state.global_step != self._last_step:
-            self._commit(state.global_step)
-        self._close()
+            self._commit_step(state.global_step)
+        self.close()
 
     # ------------------------------------------------------------------ helpers
-    def _commit(self, step: int) -> None:
-        assert self._recorder is not None
-        self._last = self._recorder.commit(step)
+    def _commit_step(self, step: int) -> None:
+        self._last = self._commit(step)
         self._last_step = step
-
-    def _close(self) -> None:
-        if self._recorder is not None:
-            recorder, self._recorder = self._recorder, None
-            recorder.close()
+        self.cadence.committed(step)
 
     def _remove_resume_dir(self) -> None:
         if self._resume_dir is not None:

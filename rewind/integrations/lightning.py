@@ -4,7 +4,7 @@ Usage (``pip install "rewind[lightning]"``)::
 
     from rewind.integrations.lightning import ResumableLoader, RewindCallback
 
-    trainer = L.Trainer(max_epochs=10, callbacks=[RewindCallback("run-1", every_n_steps=50)])
+    trainer = L.Trainer(max_epochs=10, callbacks=[RewindCallback("run-1", every=50)])
     trainer.fit(model, ResumableLoader(DataLoader(dataset, batch_size=32, shuffle=True)))
 
 The same two lines start a new run and resume a killed one: there is no ``ckpt_path``. In
@@ -12,10 +12,11 @@ The same two lines start a new run and resume a killed one: there is no ``ckpt_p
 the fit loop starts; a ``CheckpointIO`` is not needed, because Lightning's own hooks for a
 resumable loader (``state_dict`` / ``load_state_dict``) carry the data position.
 
-What a commit records, at ``on_train_batch_end`` every ``every_n_steps`` optimizer steps:
+What a commit records, at ``on_train_batch_end`` every ``every`` optimizer steps:
 
 * the LightningModule's parameters and buffers, every optimizer's state, every LR scheduler;
-* the torch (CPU and CUDA), numpy and Python RNGs;
+* the torch (CPU and CUDA), numpy and Python RNGs, and every ``extra`` object (its tensors
+  of 16 KiB and more in the tensor shards, as XOR deltas);
 * the fit loop's progress (epoch, global step, batch index, the counters Lightning's own
   mid-epoch restart reads), the state of the other callbacks (``Callback.state_dict``) and
   of the precision plugin (an AMP grad scaler);
@@ -32,7 +33,7 @@ A batch is not a commit point when the state after its ``on_train_batch_end`` is
 the state: while gradients accumulate (they live in ``.grad``), when validation or the end
 of the epoch follows it (Lightning does not rerun those on a restart), or when the trainer
 is stopping. The commit moves to the next batch that is one: with 8 batches an epoch and
-``every_n_steps=4``, the commit due at step 8 (the epoch's last batch) is made at step 9, the
+``every=4``, the commit due at step 8 (the epoch's last batch) is made at step 9, the
 first batch of the next epoch, and the next ones at 12, 16, ... ``on_train_end`` commits the
 final state: fitting a finished run again restores it and trains no more.
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any
 
@@ -65,8 +67,7 @@ from eventlog.backends import RunAddress
 from eventlog.capture import GlobalRng, Stateful
 from eventlog.errors import ConfigError, StateMismatchError
 from eventlog.settings import Settings
-from rewind.recorder import Recorder
-from rewind.results import RestoreResult
+from rewind.integrations.base import RunRecording
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
 
@@ -181,33 +182,57 @@ class ResumableLoader:
         self._pending = dict(state) if state.get("epoch_rng") is not None else None
 
 
-class RewindCallback(pl.Callback):
-    """Records a ``Trainer.fit`` every ``every_n_steps`` optimizer steps and resumes it.
+class RewindCallback(pl.Callback, RunRecording):
+    r"""Record a ``Trainer.fit`` to a Rewind run and resume it when the fit starts again.
 
-    ``run`` is a ``RunAddress`` or a run id (``REWIND_LOG`` names the backend, as for
-    ``Recorder``); ``snapshots`` and ``settings`` are passed to the ``Recorder``. After
-    ``on_fit_start``, ``restored`` holds what the restore found (``restored.fresh`` for a
-    new run) and ``recorder`` the recorder.
+    A commit is due every ``every`` optimizer steps, and made at the first batch at or after
+    that is a commit point (module docs); ``on_train_end`` commits the final state.
+
+    Args:
+        run: The run's ``RunAddress``, or its id (``REWIND_LOG`` names the backend, as for
+            ``Recorder``).
+        every: Commit every ``every`` optimizer steps (``rewind.integrations.base.Cadence``).
+        extra: More ``Stateful`` objects to record; their tensors are recorded like the
+            module's (the name ``trainer`` is the callback's).
+        snapshots: A snapshot trigger or ``Snapshots``, passed to the ``Recorder``.
+        settings: The ``Settings`` passed to the ``Recorder``.
+        predictive: The ``Recorder``'s predictive codec (one optimizer's steps replayed).
+        every_n_steps: Deprecated spelling of ``every`` (also the second positional argument):
+            it warns and means the same.
+
+    After ``on_fit_start``, ``restored`` holds what the restore found (``restored.fresh``
+    for a new run) and ``recorder`` the recorder.
     """
+
+    owner, unit = "RewindCallback", "optimizer steps"
 
     def __init__(
         self,
         run: RunAddress | str,
-        every_n_steps: int = 1,
+        every_n_steps: int | None = None,
         *,
+        every: int | None = None,
+        extra: Mapping[str, Stateful] | None = None,
         snapshots: Snapshots | Trigger | None = None,
         settings: Settings | None = None,
+        predictive: bool = True,
     ) -> None:
-        if every_n_steps < 1:
-            raise ConfigError(f"RewindCallback: every_n_steps must be >= 1, got {every_n_steps}")
-        self.run = run
-        self.every_n_steps = every_n_steps
+        if every_n_steps is not None:
+            if every is not None:
+                raise ConfigError("RewindCallback: pass every=, not every_n_steps= as well")
+            warnings.warn("RewindCallback(every_n_steps=...) is deprecated: use every=, the name all "
+                          "Rewind adapters share", DeprecationWarning, stacklevel=2)
+            every = every_n_steps
+        every = 1 if every is None else every
+        self._init_recording(run, every, extra, snapshots, settings, predictive, own=("trainer",))
         self.snapshots = snapshots
         self.settings = settings
-        self.recorder: Recorder | None = None
-        self.restored: RestoreResult | None = None
         self._resume_rng: dict[str, Any] | None = None
-        self._committed_step = -1
+
+    @property
+    def every_n_steps(self) -> int:
+        """Deprecated: ``every``."""
+        return self.every
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Build the recorder and restore the newest sealed version, before the fit loop runs."""
@@ -223,15 +248,13 @@ class RewindCallback(pl.Callback):
                                       else _Group(optimizers) if optimizers else None)
         scheduler: Stateful | None = (schedulers[0] if len(schedulers) == 1
                                       else _Group(schedulers) if schedulers else None)
-        self.recorder = Recorder(self.run, model=pl_module, optimizer=optimizer, scheduler=scheduler,
-                                 extra={"trainer": _TrainerState(trainer, self)}, snapshots=self.snapshots,
-                                 settings=self.settings)
-        self.restored = self.recorder.restore()
-        if not self.restored.fresh:
+        self._open({"trainer": _TrainerState(trainer, self)}, model=pl_module, optimizer=optimizer,
+                   scheduler=scheduler)
+        if not self._restore().fresh:
             # The fit loop creates the data iterator before on_train_start, moving the RNGs:
             # they are set back to the commit's there.
             self._resume_rng = GlobalRng().state_dict()
-            self._committed_step = trainer.global_step
+            self.cadence.reset(trainer.global_step)
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Check the training dataloader is resumable; on a resume, put the RNGs back."""
@@ -243,24 +266,17 @@ class RewindCallback(pl.Callback):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int,
     ) -> None:
-        """Commit when this batch is a commit point and ``every_n_steps`` steps have passed."""
+        """Commit when a commit is due and this batch is a commit point."""
         step = trainer.global_step
-        if not self._due(step) or not _commit_point(trainer):
+        if not self.cadence.due(step) or not _commit_point(trainer):
             return
         loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
         metrics = {"loss": float(loss)} if isinstance(loss, torch.Tensor) and loss.numel() == 1 else {}
-        self._commit(trainer, step, metrics)
-
-    def _due(self, step: int) -> bool:
-        """True when a multiple of ``every_n_steps`` lies in ``(last commit, step]``: a commit
-        due at a batch that was not a commit point (an epoch's last batch, say) stays due until
-        the next batch that is one, instead of being dropped because that batch's step is not a
-        multiple. The schedule stays on the multiples (due at 4, 8, 12: commits at 4, 9, 12)."""
-        return step // self.every_n_steps > max(self._committed_step, 0) // self.every_n_steps
+        self._commit_at(trainer, step, metrics)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Commit the final state and wait until every commit is durable."""
-        self._commit(trainer, trainer.global_step, {})
+        self._commit_at(trainer, trainer.global_step, {})
         assert self.recorder is not None
         self.recorder.flush()
 
@@ -274,22 +290,16 @@ class RewindCallback(pl.Callback):
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException,
     ) -> None:
         """Close the recorder: the commits already queued are whole states and are kept."""
-        self._close()
+        self.close()
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Close the recorder (writing the queued commits)."""
-        self._close()
+        self.close()
 
-    def _close(self) -> None:
-        if self.recorder is not None:
-            self.recorder.close()
-            self.recorder = None
-
-    def _commit(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> None:
-        assert self.recorder is not None, "on_fit_start builds the recorder"
+    def _commit_at(self, trainer: pl.Trainer, step: int, metrics: dict[str, float]) -> None:
         _train_loader(trainer).check_consumed(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
-        self.recorder.commit(step, metrics)
-        self._committed_step = step
+        self._commit(step, metrics)
+        self.cadence.committed(step)
 
 
 class _TrainerState:

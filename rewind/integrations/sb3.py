@@ -14,7 +14,8 @@ What a version holds:
   ``TimeLimit`` steps, ``Monitor`` episode stats), as plain data;
 * for off-policy algorithms, the replay buffer: its arrays go to the tensor shards as XOR
   deltas, so a commit writes only the chunks the transitions added since the previous one
-  touched (a wrap is the same: the rows overwritten), and ``pos`` / ``full`` as small state.
+  touched (a wrap is the same: the rows overwritten), and ``pos`` / ``full`` as small state;
+* every ``extra`` object, its tensors (16 KiB and more) as XOR deltas too.
 
 Use::
 
@@ -48,8 +49,8 @@ from eventlog.backends import RunAddress
 from eventlog.capture import GlobalRng, Stateful
 from eventlog.errors import ConfigError, RewindError, StateMismatchError
 from eventlog.settings import Settings
+from rewind.integrations.base import RunRecording
 from rewind.recorder import Recorder
-from rewind.results import RestoreResult
 from rewind.snapshots import Snapshots
 from snapshotter.policies import Trigger
 
@@ -355,39 +356,45 @@ class _ReplayArrays:
 
 
 # ---------------------------------------------------------------------- the callback
-class RewindCallback(BaseCallback):
-    """Records an SB3 algorithm's training state to ``run``; ``restore`` resumes it.
+class RewindCallback(BaseCallback, RunRecording):
+    """Record an SB3 algorithm's whole training state to a Rewind run, and resume it.
 
     A version is committed when a rollout starts, every ``every`` rollouts (for SAC/TD3/DQN
     with ``train_freq=1`` a rollout is one env step), and when training ends. Only there is
     the whole state in the objects recorded: ``train()`` has consumed the previous rollout,
     the rollout buffer was just reset, and no step is half taken. (At a rollout's end the
     pending update would need the rollout buffer, and ``learn()`` would not run it first.)
-    A version's metrics are the ``train/`` values SB3's logger holds from the last update.
+    Each ``learn()`` also commits the state it starts from (if not already recorded). A
+    version's metrics are the ``train/`` values SB3's logger holds from the last update.
+    gSDE (``use_sde``) is not supported: it draws fresh noise before the rollout-start hook.
 
-    ``snapshots`` and ``settings`` are passed to the ``Recorder``. gSDE (``use_sde``) is not
-    supported: it draws fresh noise before the rollout-start hook.
+    :param run: the run's ``RunAddress``, or its id (``REWIND_LOG`` names the backend).
+    :param every: commit every ``every`` rollouts (see ``rewind.integrations.base.Cadence``).
+    :param extra: more ``Stateful`` objects to record; their tensors are recorded like the
+        policy's (names ``progress``, ``environments`` and ``replay_buffer`` are the callback's).
+    :param snapshots: a snapshot trigger or ``Snapshots``, passed to the ``Recorder``.
+    :param settings: the ``Settings`` passed to the ``Recorder``.
+    :param predictive: the ``Recorder``'s predictive codec; off by default, because it replays
+        one torch optimizer and SB3's optimizers are recorded as one group.
+    :param verbose: SB3's verbosity level.
     """
+
+    owner, unit = "RewindCallback", "rollouts"
 
     def __init__(
         self,
         run: RunAddress | str,
         *,
         every: int = 1,
+        extra: Mapping[str, Stateful] | None = None,
         snapshots: Snapshots | Trigger | None = None,
         settings: Settings | None = None,
+        predictive: bool = False,
         verbose: int = 0,
     ) -> None:
-        super().__init__(verbose)
-        if not isinstance(every, int) or every < 1:
-            raise ConfigError(f"RewindCallback(every={every!r}): commit every N >= 1 rollouts")
-        self.run = run
-        self.every = every
-        self._snapshots = snapshots
-        self._settings = settings
-        self.recorder: Recorder | None = None
-        #: What ``restore`` found (``None`` until it ran).
-        self.restored: RestoreResult | None = None
+        BaseCallback.__init__(self, verbose)
+        self._init_recording(run, every, extra, snapshots, settings, predictive,
+                              own=("progress", "environments", "replay_buffer"))
         self._progress: _Progress | None = None
         self._objects: dict[str, Stateful] = {}
         self._bound: BaseAlgorithm | None = None
@@ -404,12 +411,11 @@ class RewindCallback(BaseCallback):
         next ``learn()``, with the timesteps still to go and ``reset_num_timesteps=False``
         (or the run's total, with SB3's default ``reset_num_timesteps=True``).
         """
-        recorder = self._bind(model)
+        self._bind(model)
         if self.restored is not None:
             raise RewindError("RewindCallback.restore: this callback already restored its run; "
                               "make a new callback for another model")
-        self.restored = recorder.restore()
-        if not self.restored.fresh:
+        if not self._restore().fresh:
             self._committed_at = model.num_timesteps
             # learn() resets these (counters, the env, episode buffers, action noise) unless
             # reset_num_timesteps=False: kept to load again when training starts.
@@ -420,21 +426,12 @@ class RewindCallback(BaseCallback):
                 self._last_done_row = buffer.dones[(buffer.pos - 1) % buffer.buffer_size].copy()
         return model
 
-    def close(self) -> None:
-        """Write every queued version and release the recorder."""
-        if self.recorder is not None:
-            self.recorder.close()
-
-    def __enter__(self) -> RewindCallback:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def _bind(self, model: BaseAlgorithm) -> Recorder:
-        if self.recorder is not None:
+        if self._bound is not None:
             if model is not self._bound:
                 raise ConfigError("RewindCallback records one model; make a new callback for another")
+            if self.recorder is None:
+                raise RewindError("RewindCallback is closed; make a new callback to record further")
             return self.recorder
         if getattr(model, "use_sde", False):
             raise ConfigError("RewindCallback does not support use_sde=True: gSDE draws its noise "
@@ -449,15 +446,14 @@ class RewindCallback(BaseCallback):
             if buffer is None or kind not in ("ReplayBuffer", "DictReplayBuffer"):
                 raise ConfigError(f"RewindCallback records ReplayBuffer and DictReplayBuffer, not {kind}")
             buffers["replay_buffer"] = _ReplayArrays(buffer)
-        self.recorder = Recorder(self.run, model=model.policy, optimizer=optimizers, rng=True,
-                                 extra=self._objects, buffers=buffers, predictive=False,
-                                 settings=self._settings, snapshots=self._snapshots)
+        recorder = self._open(self._objects, model=model.policy, optimizer=optimizers, rng=True,
+                              buffers=buffers)
         self._objects = {**self._objects, "rng": GlobalRng()}  # the recorder's own reads the same RNGs
         self._bound = model
-        return self.recorder
+        return recorder
 
     def _init_callback(self) -> None:
-        if self.recorder is None:
+        if self._bound is None:
             # Not restored by hand: resume here, inside learn(), which already set its target.
             self.restore(self.model)
         else:
@@ -473,27 +469,29 @@ class RewindCallback(BaseCallback):
             buffer = self.model.replay_buffer  # type: ignore[attr-defined]
             buffer.dones[(buffer.pos - 1) % buffer.buffer_size] = self._last_done_row
         self._reload, self._last_done_row = {}, None
+        # Rollouts are counted from this learn(); its first rollout start is due too.
         self._rollouts = 0
+        self.cadence.reset(-1)
 
     def _on_rollout_start(self) -> None:
-        if self._rollouts % self.every == 0:
-            self._commit()
+        if self.cadence.due(self._rollouts):
+            self._commit_state()
+            self.cadence.committed(self._rollouts)
         self._rollouts += 1
 
     def _on_step(self) -> bool:
         return True
 
     def _on_training_end(self) -> None:
-        self._commit()
+        self._commit_state()
         assert self.recorder is not None
         self.recorder.flush()
 
-    def _commit(self) -> None:
+    def _commit_state(self) -> None:
         step = self.model.num_timesteps
         if step == self._committed_at:
             return  # the state of the version restored or committed last
         metrics = {k: float(v) for k, v in self.model.logger.name_to_value.items()
                    if k.startswith("train/") and isinstance(v, int | float | np.number)}
-        assert self.recorder is not None
-        self.recorder.commit(step, metrics)
+        self._commit(step, metrics)
         self._committed_at = step
