@@ -282,6 +282,13 @@ def test_rewind_publish_rebuild_gives_the_same_bits_and_rewind_followers_lists_a
     trainer.rec.close()
 
 
+def test_rewind_verify_passes_a_run_with_a_weights_stream(run: RunAddress) -> None:
+    trainer = _stream_with(run, 2)
+    done = _cli("verify", *_where(run))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    trainer.rec.close()
+
+
 _MEMORY_CHILD = r"""
 import json, sys
 import torch

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eventlog.embedded.db import Database, valid_run_id
 from eventlog.errors import EventLogError, RunNotFoundError
+from eventlog.ports import WEIGHTS
 
 #: Lines of SQLite's integrity check that a report quotes (it may find thousands).
 QUOTED = 3
@@ -43,7 +44,7 @@ def _text(v: object) -> bool:
 
 #: What each column must hold (a damaged page can hand back NULL, or a value of another type).
 VALID: dict[str, Callable[[object], bool]] = {
-    "run": valid_run_id, "shards": _count(1), "partition": _count(-1), "next_offset": _count(0),
+    "run": valid_run_id, "shards": _count(1), "partition": _count(WEIGHTS), "next_offset": _count(0),
     "start_offset": _count(0), "writer": _text, "epoch": _count(1), "version": _count(0),
     "next_gsn": _count(1), "snapshot_id": _text, "entry": _text, "name": _text,
     "holder": lambda v: v is None or _text(v), "token": _count(1),
@@ -138,8 +139,8 @@ def _twice(table: str, key: Row, rows: list[Row]) -> str:
 
 
 def _partitions_of_runs(tables: dict[str, list[Row]]) -> list[str]:
-    """Each run's partitions: control and one per shard, created with its row in ``runs``;
-    each partition's start offset at or below its end."""
+    """Each run's partitions: control and one per shard, created with its row in ``runs`` (and
+    the weights stream's, once published); each partition's start offset at or below its end."""
     if "runs" not in tables or "partitions" not in tables:
         return []
     found = []
@@ -150,7 +151,7 @@ def _partitions_of_runs(tables: dict[str, list[Row]]) -> list[str]:
             found.append(f"partition {partition} of run {run!r} starts at offset {start}, past its end {nxt}")
     shards = {run: n for run, n in tables["runs"]}
     for run, n in shards.items():
-        if isinstance(n, int) and have.get(run) != set(range(-1, n)):
+        if isinstance(n, int) and have.get(run, set()) - {WEIGHTS} != set(range(-1, n)):
             found.append(f"run {run!r} has {n} shards, but its partitions are "
                          f"{sorted(have.get(run, set()), key=str)}")
     for run in sorted(set(have) - set(shards), key=str):
