@@ -6,9 +6,11 @@ The learner trains a small CartPole policy (REINFORCE, fp32, Adam) and records e
 with a ``Recorder``; a ``Publisher`` thread (what ``rewind publish --follow`` runs) casts
 each sealed version to bfloat16 and publishes it as a patch. Each actor process holds only
 a bfloat16 copy of the policy: a ``WeightsFollower`` keeps it at the newest published
-version, exact to the cast, and every rollout names the version and the digest of the
-weights that acted. The learner refuses a rollout from a version it never sealed and
-reports each rollout's staleness (versions behind the learner). Runs on the embedded log in
+version, exact to the cast, and ``stamp()`` names the run, version and digest of the weights
+each rollout was made with. The learner refuses a rollout from a version it never sealed,
+records each update with the stamp of the rollout it learned from (``commit(consumed=...)``:
+``rewind verify`` checks it, ``rewind history --json`` reports the policy lag), and prints
+each rollout's staleness (versions behind the learner). Runs on the embedded log in
 ``--dir`` (a temporary directory by default), or on Kafka + Redis with ``--log``/``--coord``.
 """
 
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from rewind import Publisher, Recorder, RunAddress, WeightsFollower
+from rewind import Publisher, Recorder, RunAddress, Stamp, WeightsFollower
 
 OBS, ACTIONS, HIDDEN = 4, 2, 64
 #: The longest an actor or the learner waits for the other side (the example is bounded).
@@ -74,9 +76,10 @@ def actor(index: int, run: RunAddress, rollouts: int, results: Any) -> None:
             while follower.poll().version_after <= version and time.monotonic() < until:
                 time.sleep(0.02)
             with follower.reading() as m:  # one whole version while the episode runs
-                version, digest = follower.version, follower.digest.hex()
+                stamp = follower.stamp()
                 episode = rollout(m, env, seed=1000 * index + n)
-            results.put({"actor": index, "version": version, "digest": digest, **episode})
+            version = stamp.version
+            results.put({"actor": index, "stamp": stamp.to_wire(), **episode})
     results.put({"actor": index, "done": True})
 
 
@@ -118,15 +121,17 @@ def learn(run: RunAddress, actors: int, updates: int) -> dict[str, Any]:
                 if msg.get("done"):
                     finished += 1
                     continue
-                if msg["version"] not in sealed:
-                    raise RuntimeError(f"actor {msg['actor']} acted with version {msg['version']}, "
+                stamp = Stamp.from_wire(msg["stamp"], f"rollout of actor {msg['actor']}")
+                if stamp.version not in sealed:
+                    raise RuntimeError(f"actor {msg['actor']} acted with version {stamp.version}, "
                                        f"which the learner never sealed")
                 ret = reinforce(model, opt, msg)
-                stale = rec.version - msg["version"]
-                sealed.add(rec.commit(len(seen) + 1, {"return": ret}, wait=True).result().version)
-                seen.append({"actor": msg["actor"], "version": msg["version"], "digest": msg["digest"],
-                             "return": ret, "staleness": stale})
-                print(f"actor {msg['actor']}: return {ret:5.1f} with version {msg['version']} "
+                stale = rec.version - stamp.version
+                done = rec.commit(len(seen) + 1, {"return": ret}, wait=True, consumed=[stamp])
+                sealed.add(done.result().version)
+                seen.append({"actor": msg["actor"], "version": stamp.version, "digest": stamp.digest,
+                             "kind": stamp.kind, "return": ret, "staleness": stale})
+                print(f"actor {msg['actor']}: return {ret:5.1f} with version {stamp.version} "
                       f"(stale by {stale}); learner at version {rec.version}", flush=True)
         finally:
             stop.set()

@@ -32,4 +32,8 @@ def test_rl_actors_act_with_sealed_bf16_versions_that_advance(tmp_path: Path) ->
         published = {v.version: v.digest.hex() for v in WeightsStream(log).index()}
     # Every rollout names a version the learner sealed, and the digest of its bf16 weights
     # is the one the stream published for that version.
-    assert all(published[r["version"]] == r["digest"] for r in rollouts)
+    assert all(published[r["version"]] == r["digest"] and r["kind"] == "weights/bfloat16" for r in rollouts)
+    # The learner recorded each update's stamp: verify checks every one against its seal.
+    verify = subprocess.run([sys.executable, "-m", "rewind.cli", "verify", "--run-dir", str(tmp_path)],
+                            capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout[-2000:] + verify.stderr[-2000:]
