@@ -247,7 +247,7 @@ def run_size(params: int, kafka: str | None, redis: str | None, root: Path, log:
     from replayer.publisher import Publisher
     from rewind.recorder import Recorder
 
-    from .scenarios import kafka_url
+    from .scenarios import _delete_topics, kafka_url, run_topics
 
     fig: dict[str, Any] = {"params": params}
     log(f"weights stream at {params / 1e6:.0f}M parameters")
@@ -276,6 +276,9 @@ def run_size(params: int, kafka: str | None, redis: str | None, root: Path, log:
     if "trainer" not in fig:
         address = RunAddress(*backends["embedded"], f"trainer-{tag}")
         fig["trainer"] = trainer_step(address, work, log)
+    if kafka:  # the runs' topics, as the other Kafka scenarios leave none
+        runs = (f"weights-{tag}", f"trainer-{tag}")
+        _delete_topics(kafka, [t for run in runs for t in run_topics(kafka, run)])
     return fig
 
 
