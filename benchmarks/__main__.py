@@ -29,7 +29,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from . import multirank, sizes
+from . import multirank, sizes, weights
 from .fmt import fmt
 from .model import parse_size
 from .scenarios import RECOVERY_LIMIT, SCENARIOS, Config, run_all
@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--codec-steps", type=int, default=100,
                     help="Adam steps of the predictive vs XOR comparison (default 100)")
     ap.add_argument("--only", help=f"comma-separated scenarios: {','.join(SCENARIOS)}; and "
-                    f"{multirank.SCENARIO} (FSDP2 under torchrun vs DCP, only when named; default 25M)")
+                    f"{multirank.SCENARIO} (FSDP2 under torchrun vs DCP, only when named; default 25M); "
+                    f"{weights.SCENARIO} (the bf16 weights stream; --size 25M,100M; only when named)")
     ap.add_argument("--ranks", help="world sizes of the multirank scenario (default 2,4)")
     ap.add_argument("--kafka", help="Kafka bootstrap (host:port) or kafka:// URL")
     ap.add_argument("--redis", help="Redis URL for the Kafka run's coordinator")
@@ -275,10 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     only = set(SCENARIOS)
     if args.only:
         only = {s.strip() for s in args.only.split(",") if s.strip()}
-        unknown = only - set(SCENARIOS) - {multirank.SCENARIO}
+        unknown = only - set(SCENARIOS) - {multirank.SCENARIO, weights.SCENARIO}
         if unknown:
             ap.error(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: "
-                     f"{', '.join((*SCENARIOS, multirank.SCENARIO))}")
+                     f"{', '.join((*SCENARIOS, multirank.SCENARIO, weights.SCENARIO))}")
     console = Console(stderr=False)
     if not console.is_terminal:
         console = Console(stderr=False, width=150)
@@ -302,6 +303,15 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 write_json(args.json, multi)
                 console.print(f"figures written to {args.json}")
+            return 0
+    if weights.SCENARIO in only:
+        only.discard(weights.SCENARIO)
+        stream = weights.run_from_args(args, log)
+        console.print(weights.table(stream))
+        if args.json:
+            write_json(args.json, stream)
+            console.print(f"figures written to {args.json}")
+        if not only:
             return 0
     args.size = args.size or "100M"
     params = parse_size(args.size)

@@ -282,6 +282,13 @@ def test_rewind_publish_rebuild_gives_the_same_bits_and_rewind_followers_lists_a
     trainer.rec.close()
 
 
+def test_rewind_verify_passes_a_run_with_a_weights_stream(run: RunAddress) -> None:
+    trainer = _stream_with(run, 2)
+    done = _cli("verify", *_where(run))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    trainer.rec.close()
+
+
 _MEMORY_CHILD = r"""
 import json, sys
 import torch
@@ -298,7 +305,7 @@ size = sum(t.numel() * t.element_size() for t in model.state_dict().values())
 baseline = status_kib("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:  # VmHWM := VmRSS from here on
     f.write("5")
-with WeightsFollower(RunAddress(sys.argv[1], sys.argv[1], "memory"), model) as follower:
+with WeightsFollower(RunAddress(*sys.argv[1:4]), model) as follower:
     result = follower.poll()
 print(json.dumps({"size": size, "peak": (status_kib("VmHWM") - baseline) * 1024,
                   "mode": result.mode, "version": result.version_after}))
@@ -307,9 +314,7 @@ print(json.dumps({"size": size, "peak": (status_kib("VmHWM") - baseline) * 1024,
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux's resettable VmHWM")
-def test_a_followers_peak_memory_above_a_bare_model_stays_under_1_25x_the_model(tmp_path: Path) -> None:
-    url = f"sqlite://{tmp_path / 'rewind.db'}"
-    run = RunAddress(url, url, "memory")
+def test_a_followers_peak_memory_above_a_bare_model_stays_under_1_25x_the_model(run: RunAddress) -> None:
     from rewind.recorder import Recorder
 
     torch.manual_seed(0)  # 25.2M parameters: 50 MB in bf16
@@ -323,9 +328,13 @@ def test_a_followers_peak_memory_above_a_bare_model_stays_under_1_25x_the_model(
             rec.commit(v - 1, wait=True).result()
     with Publisher(run, WeightsConfig(keyframe_every=3)) as pub:
         assert pub.publish().published == 4  # keyframes at 1 and 4: the sync reads 4
-    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, url], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run([sys.executable, "-c", _MEMORY_CHILD, run.log_url, run.coord_url, run.run_id],
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert (figures["mode"], figures["version"]) == ("full", 4)
-    assert figures["peak"] <= 1.25 * figures["size"], f"peak {figures['peak'] / figures['size']:.2f}x"
+    # On Kafka, librdkafka's buffers and the allocator's arenas of its threads cost more than
+    # the embedded log's reads (issue 41's 1.25x is the embedded figure; Kafka's is measured
+    # by python -m benchmarks --only weights).
+    limit = 1.25 if run.log_url.startswith("sqlite://") else 1.75
+    assert figures["peak"] <= limit * figures["size"], f"peak {figures['peak'] / figures['size']:.2f}x"

@@ -33,6 +33,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 TOPIC_MAX_MESSAGE_BYTES = MAX_MESSAGE_BYTES + 256 * 1024
 #: One fetch response may hold two maximal messages; the socket must take the whole response.
 FETCH_MAX_BYTES = 2 * TOPIC_MAX_MESSAGE_BYTES
+#: Read-ahead of the weights stream's consumers: one default stream chunk
+#: (``WeightsConfig.chunk_bytes``). librdkafka's defaults (a 64 MiB queue plus the fetch in
+#: flight) would cost a follower that holds only a small model more than the model.
+WEIGHTS_READ_AHEAD_BYTES = 4 * 1024 * 1024
+#: Records per read of the weights stream: a follower holds two chunks, not a keyframe's worth.
+WEIGHTS_SCAN_BATCH = 2
 #: A transaction must commit within this (the broker aborts it after). It also bounds how long
 #: ``read_committed`` readers stall behind a crashed writer's open transaction.
 TRANSACTION_TIMEOUT_MS = 120_000
@@ -143,8 +149,18 @@ def producer_config(
     )
 
 
-def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
-    """librdkafka config of a ``read_committed`` consumer that is only ever assigned partitions."""
+def consumer_config(settings: KafkaSettings, *, read_ahead: int | None = None) -> dict[str, Any]:
+    """librdkafka config of a ``read_committed`` consumer that is only ever assigned partitions;
+    ``read_ahead``: at most about that many bytes fetched or queued ahead of the reader."""
+    bounded = {} if read_ahead is None else {
+        "fetch.max.bytes": read_ahead,
+        # A larger record batch is still returned whole (KIP-74): the bound never stalls a read.
+        "max.partition.fetch.bytes": read_ahead,
+        "queued.max.messages.kbytes": max(1, read_ahead // 1024),
+        # A full queue postpones the next fetch by this much (librdkafka: 1 s), not longer
+        # than the reader takes to consume a chunk.
+        "fetch.queue.backoff.ms": 10,
+    }
     return settings.config(
         "consumer",
         **{
@@ -162,5 +178,6 @@ def consumer_config(settings: KafkaSettings) -> dict[str, Any]:
             # end) to return: keep that poll short. Readers are parked when idle.
             "fetch.wait.max.ms": 10,
             "check.crcs": True,
+            **bounded,
         },
     )

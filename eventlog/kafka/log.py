@@ -16,7 +16,12 @@ from eventlog.kafka.admin import (
     topic_names,
     wait_for_topics,
 )
-from eventlog.kafka.config import KafkaSettings, consumer_config
+from eventlog.kafka.config import (
+    WEIGHTS_READ_AHEAD_BYTES,
+    WEIGHTS_SCAN_BATCH,
+    KafkaSettings,
+    consumer_config,
+)
 from eventlog.kafka.reader import MAX_READERS, Reader, ReaderPool
 from eventlog.kafka.writer import KafkaWriter
 from eventlog.ports import CONTROL, WEIGHTS, EventLog, LogWriter, Record
@@ -39,10 +44,16 @@ class KafkaLog(EventLog):
         self._lock = threading.Lock()
         conf = consumer_config(self.settings)
         self._readers = ReaderPool(lambda: Reader(conf), MAX_READERS)
+        # Weights followers hold only a model: their reads keep little read-ahead.
+        weights_conf = consumer_config(self.settings, read_ahead=WEIGHTS_READ_AHEAD_BYTES)
+        self._weights_readers = ReaderPool(lambda: Reader(weights_conf), MAX_READERS)
         self._offsets = Watermarks(conf)
         # Per partition, the last offset range a read found holding only transaction markers
         # and aborted records (a scan's final read usually asks for exactly that range).
         self._gaps: dict[tuple[str, int], tuple[int, int]] = {}
+
+    def scan_batch(self, partition: int) -> int:
+        return WEIGHTS_SCAN_BATCH if partition == WEIGHTS else super().scan_batch(partition)
 
     def locate(self, partition: int, *, produce: bool = False) -> tuple[str, int]:
         """The topic and Kafka partition of a log partition; ``produce``: also check that the
@@ -146,7 +157,7 @@ class KafkaLog(EventLog):
         gap = self._gaps.get((topic, kp))
         if gap is not None and gap[0] <= start and stop <= gap[1]:
             return []  # e.g. only the commit marker after the last record: no fetch needed
-        with self._readers.borrow(topic, kp, start) as reader:
+        with self._pool(partition).borrow(topic, kp, start) as reader:
             out = reader.fetch(partition, topic, kp, start, stop, limit)
             if reader.gap[1] > reader.gap[0]:
                 self._gaps[(topic, kp)] = reader.gap
@@ -156,13 +167,16 @@ class KafkaLog(EventLog):
         topic, kp = self.locate(partition)
         return (f"{topic} [{kp}]: low watermark and last stable offset {self._offsets.marks(topic, kp)}, "
                 f"cached empty range {self._gaps.get((topic, kp))}, idle readers "
-                f"{self._readers.describe(topic, kp) or 'none assigned to it'}")
+                f"{self._pool(partition).describe(topic, kp) or 'none assigned to it'}")
 
     def forget_reads(self, partition: int) -> None:
         """Forget the empty range cached for ``partition`` and close its idle readers."""
         topic, kp = self.locate(partition)
         self._gaps.pop((topic, kp), None)
-        self._readers.drop(topic, kp)
+        self._pool(partition).drop(topic, kp)
+
+    def _pool(self, partition: int) -> ReaderPool:
+        return self._weights_readers if partition == WEIGHTS else self._readers
 
     def _watermarks(self, partition: int, within: float | None = None) -> tuple[int, int]:
         topic, kp = self.locate(partition)
@@ -189,4 +203,5 @@ class KafkaLog(EventLog):
     def close(self) -> None:
         """Close the cached consumers (writers are closed by whoever opened them)."""
         self._readers.close()
+        self._weights_readers.close()
         self._offsets.close()
