@@ -1,8 +1,9 @@
-"""What the three framework adapters share: their arguments, the rule for when a commit is
+"""What the framework callbacks share: their arguments, the rule for when a commit is
 due, the recorder they build from those arguments, and the restore's result.
 
-Each adapter (``sb3``, ``hf``, ``lightning``) is its host library's callback class and also a
-``RunRecording``; it calls it from its own hooks. The arguments, the same for all three:
+Each callback (``sb3``, ``hf`` and its ``trl`` subclass, ``lightning``) is its host library's
+callback class and also a ``RunRecording``; it calls it from its own hooks. The arguments, the
+same for all (``torchrl``'s loop adapter takes the same names):
 
 * ``run``: a ``RunAddress`` or a run id (``REWIND_LOG`` names the backend, as for ``Recorder``);
 * ``every``: the interval, in the adapter's unit (``Cadence``);
