@@ -259,7 +259,9 @@ def test_a_commit_logs_the_rows_added_not_the_buffer(tmp_path: Path) -> None:
     # About the raw size of the rows added (new floats XORed with what the rows held barely
     # compress), a small part of even the smaller buffer.
     assert all(0.25 * 64 * row < b < 1.5 * 64 * row for b in per_commit[1_000] + per_commit[8_000])
-    assert max(per_commit[8_000]) < 1.25 * min(per_commit[1_000])
+    # A buffer 8x larger: a commit of the whole buffer would cost 8x; of its new rows, about the
+    # same (compression of the rows' bits varies with where they fall in the chunks).
+    assert max(per_commit[8_000]) < 2 * min(per_commit[1_000])
 
 
 def test_the_last_iteration_is_committed_and_a_finished_run_trains_nothing(tmp_path: Path) -> None:

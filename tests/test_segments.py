@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eventlog import CorruptStoreError, TruncatedHistoryError, segments, serde
+from eventlog import CorruptStoreError, TruncatedHistoryError, serde
 from eventlog import tensorcodec as tc
-from eventlog.embedded import EmbeddedLog
+from eventlog.embedded import EmbeddedLog, segments
 from eventlog.events import Envelope, TensorDelta
 from eventlog.ports import CONTROL
 from eventlog.settings import Settings, override

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -37,10 +38,13 @@ def test_a_run_records_the_installed_distributions_version(tmp_path: Path) -> No
     assert proc.stdout.strip() == "9.9.9"
 
 
-def test_a_source_tree_never_installed_claims_no_release() -> None:
-    # -S: no site-packages, so no installed rewind distribution; the tree itself is importable.
-    code = f"import sys; sys.path.insert(0, {str(ROOT)!r}); from eventlog.version import REWIND_VERSION; " \
-           "print(REWIND_VERSION)"
-    proc = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True, timeout=60)
+def test_a_source_tree_never_installed_claims_no_release(tmp_path: Path) -> None:
+    # -I -S: no PYTHONPATH and no site-packages, so no installed rewind distribution; a copy of
+    # the package alone is importable (a checkout installed editable holds rewind.egg-info).
+    shutil.copytree(ROOT / "eventlog", tmp_path / "eventlog", ignore=shutil.ignore_patterns("__pycache__"))
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r}); "
+            "from eventlog.version import REWIND_VERSION; print(REWIND_VERSION)")
+    proc = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True,
+                          timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == "0+unknown"
