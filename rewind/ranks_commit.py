@@ -90,7 +90,7 @@ class RankCommit:
         base = pipe.base.version
         version = base + 1 + self.skip
         failure = None
-        job.record_consumed(version, assemble.rank_prefix(g.rank) + PROVENANCE, pipe.base.small)
+        job.record_consumed(version, assemble.rank_prefix(g.rank) + PROVENANCE)
         try:
             part = self._write_part(job, base, version)
         except BaseException as exc:  # noqa: BLE001 - told to every rank, then raised here

@@ -398,7 +398,7 @@ class Recorder:
         base = prev.version if job.base_version is None else job.base_version
         if base != prev.version:
             raise StaleVersionError(base, prev.version)
-        job.record_consumed(version, PROVENANCE, prev.small)
+        job.record_consumed(version, PROVENANCE)
         specs = prev.specs
         relayout = {s.name: (s.dtype, tuple(s.shape)) for s in specs} != job.layout
         if relayout:

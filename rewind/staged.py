@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -35,10 +34,9 @@ class StagedCommit:
     #: The stamps of the rollouts this version's steps consumed (``Recorder.commit(consumed=)``).
     consumed: tuple[Stamp, ...] = ()
 
-    def record_consumed(self, version: int, name: str, base_small: Mapping[str, bytes]) -> None:
-        """Add small state ``name``, the stamps this commit consumed as ``version``'s; without
-        stamps, the base's one is carried unchanged (a version without stamps writes nothing)."""
+    def record_consumed(self, version: int, name: str) -> None:
+        """Add small state ``name``, the stamps this commit consumed as ``version``'s. Without
+        stamps nothing is added: the commit carries the base's small states forward, so a
+        version without stamps writes nothing."""
         if self.consumed:
             self.small[name] = pack_consumed(version, self.consumed)
-        elif name in base_small:
-            self.small[name] = base_small[name]
