@@ -6,6 +6,9 @@ Driver errors (sqlite3, confluent_kafka, redis) never leak out bare: backends wr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 
 class RewindError(Exception):
     """Root of every error Rewind raises on purpose."""
@@ -61,11 +64,14 @@ class BatchedStepsMismatchError(DigestMismatchError):
     """A shard digest mismatch after optimizer steps that ran as one batch, without each
     step's prediction check (and perhaps without each gradient chunk's digest): rerunning
     with every check names the diverging step or the damaged chunk. ``mismatch`` is the
-    mismatch alone, without that advice."""
+    mismatch alone, without that advice. ``rebuilt``: the shard's tensors as the batched
+    steps left them, by name (each a ``TensorBits``), so that a caller that folds again
+    with every check can say which tensors the two folds rebuilt differently."""
 
-    def __init__(self, message: str, *, mismatch: str = "") -> None:
+    def __init__(self, message: str, *, mismatch: str = "", rebuilt: Mapping[str, Any] | None = None) -> None:
         super().__init__(message)
         self.mismatch = mismatch or message
+        self.rebuilt: Mapping[str, Any] = rebuilt or {}
 
 
 class WrongRunError(RewindError):

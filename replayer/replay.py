@@ -12,17 +12,19 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eventlog import ConfigError, RunAddress, Target
 from eventlog.capture import TENSOR_ROLES, rebuilt_tensors, recorded_trees
 from eventlog.errors import BatchedStepsMismatchError, DecodeError, IntegrityError
 from eventlog.events import RunStarted
+from eventlog.fold.bits import TensorBits
 from eventlog.fold.engine import FoldStart, RebuiltState, SmallStates, index_control, rebuild
 from eventlog.ports import EventLog
 from eventlog.settings import Settings, current
@@ -121,18 +123,20 @@ def replay(
             first, (start, passed) = start, start_at(checked=True)
             state = fold(start, False)
             if _source(start) == _source(first):
-                if isinstance(exc, BatchedStepsMismatchError):
-                    raise BatchedStepsMismatchError(
-                        f"{exc.mismatch}; a fold that checked every step and gradient chunk "
-                        "(and the snapshot's files) matched the seal, so the batched optimizer "
-                        "steps diverge from step-by-step ones (a bug: please report it); "
-                        "REWIND_REPLAY_DEFER_STEPS=0 replays without batching",
-                        mismatch=exc.mismatch) from exc
                 # The checked fold passed the seal: its state stands, but say what the
                 # first one met (a file that changed between the reads, or a bug).
-                _log.warning("run %r: a batched replay of %s failed (%s), a fold with every "
-                             "check from the same start matched the seal", log.run_id,
-                             _source(start), exc)
+                if isinstance(exc, BatchedStepsMismatchError):
+                    _log.warning("run %r: %s; a fold from the same start that checked every step "
+                                 "and gradient chunk (and the snapshot's files) matched the seal, "
+                                 "and its state is the one returned. The batched optimizer steps "
+                                 "rebuilt %s differently: a bug, please report it "
+                                 "(REWIND_REPLAY_DEFER_STEPS=0 replays without batching)",
+                                 log.run_id, exc.mismatch, differing(exc.rebuilt, state.tensors()))
+                    exc.rebuilt = {}  # (the batched bits, held until compared)
+                else:
+                    _log.warning("run %r: a batched replay of %s failed (%s), a fold with every "
+                                 "check from the same start matched the seal", log.run_id,
+                                 _source(start), exc)
     c = state.counts
     digest = state.state_digest()
     if digest != state.seal.seal.state_digest:
@@ -154,6 +158,22 @@ def replay(
         snapshot_id=start.snapshot_id if start else None,
     )
     return state, report
+
+
+def differing(batched: Mapping[str, TensorBits], checked: Mapping[str, object], most: int = 4) -> str:
+    """Which tensors two folds of one shard rebuilt differently, and in how many bytes
+    (the first ``most`` of them by name)."""
+    found = []
+    for name in sorted(batched):
+        other = checked.get(name)
+        if not isinstance(other, TensorBits) or other.bits.shape != batched[name].bits.shape:
+            found.append(f"{name!r} (absent or resized)")
+        elif (n := int(np.count_nonzero(batched[name].bits != other.bits))):
+            found.append(f"{name!r} ({n} of {batched[name].bits.size} bytes)")
+    if not found:
+        return "no tensor (the digest differs, the bits do not)"
+    more = f" and {len(found) - most} more" if len(found) > most else ""
+    return ", ".join(found[:most]) + more
 
 
 def _sealed_between(state: RebuiltState, since: int) -> int:

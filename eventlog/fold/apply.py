@@ -338,7 +338,8 @@ def verify_shard(
             raise BatchedStepsMismatchError(
                 f"{message}; versions {unchecked[0]}..{unchecked[-1]} were replayed by batched "
                 f"optimizer steps, without {skipped}: replay with REWIND_REPLAY_DEFER_STEPS=0 "
-                f"to name {named} that predicts differently", mismatch=message)
+                f"to name {named} that predicts differently", mismatch=message,
+                rebuilt=dict(state.tensors))
         raise DigestMismatchError(message)
     # The seal vouches for every batched step, and every gradient, up to here.
     state.deferred.unchecked.clear()
