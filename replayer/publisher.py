@@ -20,22 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from eventlog import IntegrityError, RunAddress, RunNotFoundError, TruncatedHistoryError
-from eventlog.errors import ConfigError
-from eventlog.ports import LogWriter
+from eventlog import IntegrityError, RunAddress, TruncatedHistoryError
 from eventlog.waits import IDLE_REPEAT_S, Idle
-from eventlog.weightcodec import (
-    CastTensor,
-    WeightsConfig,
-    cast_digest,
-    cast_weights,
-    encode_version,
-    same_layout,
-)
-from eventlog.weightstream import KEYFRAME, PATCH, PublishedVersion, WeightsStream
+from eventlog.weightcodec import WeightsConfig
+from eventlog.weightstream import PublishedVersion
+from eventlog.weightwriter import WRITER_ID, StreamWriter
 from replayer.follower import MODEL, Follower
 
-WRITER_ID = "weights-publisher"
 _log = logging.getLogger(__name__)
 
 
@@ -100,17 +91,13 @@ class Publisher:
         self.config = config or WeightsConfig()
         self._fold = _LogFold(self.address, workers)
         self._log = self.address.open_log()
-        self._stream = WeightsStream(self._log)
-        self._writer: LogWriter | None = None
-        self._index: list[PublishedVersion] = []
-        self._prev: dict[str, CastTensor] | None = None
-        self._chunk_bytes = self.config.chunk_bytes  # a resumed stream keeps its own
+        self._out = StreamWriter(self._log, self.config)
         self._lock = threading.Lock()
 
     @property
     def version(self) -> int:
         """The newest version published (0: none)."""
-        return self._index[-1].version if self._index else 0
+        return self._out.version
 
     def publish(self, *, until: int | None = None) -> PublishReport:
         """Publish every sealed version after the newest published one, up to ``until``
@@ -124,12 +111,11 @@ class Publisher:
             self._fold.poll()  # refresh the newest sealed version
             last = min(self._fold.newest, until if until is not None else self._fold.newest)
             done: list[PublishedVersion] = []
-            if self._prev is None and last > 0:
+            if self._out.prev is None and last > 0:
                 first = self._first_version(last)
-                done.append(self._publish_one(first, self._fold.seek(first)))
+                done.append(self._publish_one(first))
             while self._fold.version < last:
-                v = self._fold.version + 1
-                done.append(self._publish_one(v, self._fold.seek(v)))
+                done.append(self._publish_one(self._fold.version + 1))
             return PublishReport(len(done), sum(p.keyframe for p in done), self.version,
                                  sum(p.encoded_bytes for p in done), time.perf_counter() - t0)
 
@@ -158,8 +144,7 @@ class Publisher:
         """Delete the stream and publish it again from the log."""
         with self._lock:
             if self._start(resume=False):
-                self._stream.clear()
-            self._index, self._prev, self._chunk_bytes = [], None, self.config.chunk_bytes
+                self._out.clear()
             self._fold.close()
             self._fold = _LogFold(self.address, self._fold.workers)
         return self.publish()
@@ -167,8 +152,7 @@ class Publisher:
     def close(self) -> None:
         """Release the log, the writer and the fold."""
         self._fold.close()
-        if self._writer is not None:
-            self._writer.close()
+        self._out.close()
         self._log.close()
 
     def __enter__(self) -> Publisher:
@@ -179,34 +163,16 @@ class Publisher:
 
     # ------------------------------------------------------------------ internals
     def _start(self, *, resume: bool = True) -> bool:
-        """Open the stream and pick up where it ends (``resume``); ``False`` while the run
-        has no log."""
-        if self._writer is not None:
+        """Open the stream and pick up where it ends (``resume``): the log is folded to the
+        newest published version, which must match its digest; ``False`` while the run has
+        no log."""
+        if self._out.opened:
             return True
-        try:
-            self._log.create_weights()
-        except RunNotFoundError:
+        if not self._out.open(resume=resume):
             return False
-        self._writer = self._log.writer(WRITER_ID)  # fences any older publisher
-        self._index = self._stream.index() if resume else []
-        if self._index:
-            self._resume(self._index[-1])
+        if self._out.index:
+            self._out.resume(self._fold.seek(self._out.version))
         return True
-
-    def _resume(self, last: PublishedVersion) -> None:
-        """Rebuild the previous published weights from the log, checked against the stream."""
-        where = self._stream.where
-        if last.dtype != self.config.dtype:
-            raise ConfigError(f"{where} is published in {last.dtype}, not {self.config.dtype}: "
-                              f"publish in {last.dtype}, or rebuild the stream (rewind publish --rebuild)")
-        prev = cast_weights(self._fold.seek(last.version), self.config.dtype)
-        self._chunk_bytes = last.chunk_bytes
-        got = cast_digest(prev, last.chunk_bytes)
-        if got != last.digest:
-            raise IntegrityError(f"{where}: version {last.version} as published differs from the "
-                                 f"log's (digest {last.digest.hex()} vs {got.hex()}): the stream was "
-                                 "written with other settings; rebuild it (rewind publish --rebuild)")
-        self._prev = prev
 
     def _first_version(self, latest: int) -> int:
         """The oldest sealed version the log can rebuild (a truncated log: the newest)."""
@@ -219,38 +185,5 @@ class Publisher:
             return latest
         return oldest
 
-    def _publish_one(self, version: int, tensors: dict[str, torch.Tensor]) -> PublishedVersion:
-        """Cast, encode and write one version; apply retention after a keyframe."""
-        cfg = self.config
-        new = cast_weights(tensors, cfg.dtype)
-        prev, base = self._prev, self.version
-        keyframes = [p for p in self._index if p.keyframe]
-        due = prev is None or not keyframes or version - keyframes[-1].version >= cfg.keyframe_every
-        if due or prev is None or not same_layout(prev, new):
-            chunks, kind, base = encode_version(new, None, 0, self._chunk_bytes), KEYFRAME, 0
-        else:
-            chunks, kind = encode_version(new, prev, base, self._chunk_bytes), PATCH
-        digest = cast_digest(new, self._chunk_bytes)
-        assert self._writer is not None
-        step = self._fold.step_of(version)
-        raw = sum(len(t.bits) for t in new.values())
-        self._stream.publish(self._writer, version, step, kind, cfg.dtype, base, chunks, digest, raw,
-                             self._chunk_bytes)
-        self._index += self._stream.index(gt=self._index[-1].seal_offset if self._index else None)
-        published = self._index[-1]
-        self._prev = new
-        if kind == KEYFRAME:
-            self._retain()
-        return published
-
-    def _retain(self) -> None:
-        """Delete what lies below the oldest of the ``keep_keyframes`` newest keyframes."""
-        keyframes = [p for p in self._index if p.keyframe]
-        if len(keyframes) <= self.config.keep_keyframes:
-            return
-        oldest_kept = keyframes[-self.config.keep_keyframes]
-        self._stream.truncate_before(oldest_kept)
-        self._index = [p for p in self._index if p.version >= oldest_kept.version]
-        _log.info("%s: deleted what was published before version %d",
-                  self._stream.where, oldest_kept.version)
-
+    def _publish_one(self, version: int) -> PublishedVersion:
+        return self._out.publish(version, self._fold.step_of(version), self._fold.seek(version))
