@@ -71,8 +71,11 @@ class StreamWriter:
     def resume(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Continue after the newest published version, whose model tensors are ``tensors``:
         checked against its published digest, they are the base of the next patch."""
+        self.resume_cast(cast_weights(tensors, self.config.dtype))
+
+    def resume_cast(self, prev: dict[str, CastTensor]) -> None:
+        """``resume`` with tensors already cast to the stream's dtype."""
         last = self.index[-1]
-        prev = cast_weights(tensors, self.config.dtype)
         self.chunk_bytes = last.chunk_bytes
         got = cast_digest(prev, last.chunk_bytes)
         if got != last.digest:
@@ -80,10 +83,6 @@ class StreamWriter:
                                  f"log's (digest {last.digest.hex()} vs {got.hex()}): the stream was "
                                  "written with other settings; rebuild it (rewind publish --rebuild)")
         self.prev = prev
-
-    def restart(self) -> None:
-        """Forget the published versions' bits: the next version is a keyframe."""
-        self.prev = None
 
     def clear(self) -> None:
         """Delete the whole stream (to publish it again)."""

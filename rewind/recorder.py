@@ -44,6 +44,7 @@ from eventlog.ports import CONTROL, Coordinator, EventLog
 from eventlog.provenance import PROVENANCE, Stamp
 from eventlog.settings import Settings, current
 from eventlog.waits import warned_wait
+from eventlog.weightcodec import WeightsConfig, serving_dtype
 from replayer.assemble import full_state
 from replayer.replay import ReplayReport, Restorer
 from replayer.replay import restorer as restorer_of
@@ -52,6 +53,7 @@ from rewind.loaders import check_data_position
 from rewind.results import CommitResult, RestoreResult
 from rewind.snapshots import Snapshots, with_store
 from rewind.staged import StagedCommit
+from rewind.weights import CommittedWeights
 from snapshotter.policies import Trigger
 from snapshotter.service import CommittedSnapshots, SnapshotSource, SnapshotterThread
 
@@ -89,6 +91,12 @@ class Recorder:
     (``shards`` tensor shards per rank) and rank 0 seals each version once every part is
     durable. ``None``: a single process. A ``DistributedDataParallel`` model is recorded as
     the model it wraps.
+
+    ``weights`` (a serving dtype such as ``torch.bfloat16``, or a ``WeightsConfig``): this
+    recorder publishes the run's weights stream for actors (``WeightsFollower``) itself, from
+    its copy of each committed version, off the training thread (``rewind.weights``); the
+    same stream ``rewind publish`` writes from the log, without replaying the optimizer.
+    Single process only.
     """
 
     def __init__(
@@ -112,6 +120,7 @@ class Recorder:
         settings: Settings | None = None,
         snapshots: Snapshots | Trigger | None = None,
         group: Any | None = None,
+        weights: WeightsConfig | str | torch.dtype | None = None,
     ) -> None:
         address = run if isinstance(run, RunAddress) else RunAddress.from_env(run)
         self._snapshots = None if snapshots is None else Snapshots.of(snapshots)
@@ -122,6 +131,7 @@ class Recorder:
             # wrapper, a run restores, follows and exports into the plain model.
             model = model.module
         check_data_position(sampler, rng)
+        weights_config = _weights_config(weights, group)
         self._objects = _stateful_objects((model, optimizer, scheduler, sampler), rng,
                                           {"extra": extra, "buffer": buffers, "small": small})
         # A version recorded with an object's tensors inside its small state (as ``small``
@@ -169,6 +179,7 @@ class Recorder:
         self._closed = False
         #: What the committer thread is doing, for the warning of a commit that waits long.
         self._busy = "idle"
+        self._weights = None if weights_config is None else CommittedWeights(self.address, weights_config)
         self._committer = threading.Thread(target=self._run, name="rewind-committer", daemon=True)
         self._committer.start()
 
@@ -301,6 +312,8 @@ class Recorder:
         self._pipe.chunk_bytes = state.layout.chunk_bytes
         base.small = dict(state.small.states)
         base.version = state.version
+        if self._weights is not None:
+            self._weights.restored(base.version, base.specs, base.bits)
         base.last_gsn = max([state.seal.gsn, *(e.gsn for _, e in state.index.markers)])
         # The log is the truth: the coordinator's version and gsn counter follow it.
         self._coord.reset_version(self.run_id, state.version)
@@ -325,6 +338,8 @@ class Recorder:
             with warned_wait(lambda: f"the snapshotter of run {self.run_id!r} to finish its last snapshot "
                              "before the recorder closes", _logger):
                 self._snapshotter.stop(final=self._failure is None)
+        if self._weights is not None:
+            self._weights.close()
         if self._steps is not None:
             self._steps.close()
         self._pipe.close()
@@ -380,6 +395,10 @@ class Recorder:
                     # written once the snapshot no longer reads the base it replaces.
                     self._busy = f"writing the snapshot of version {self.version}, if one is due"
                     self._offer_snapshot()
+                    if self._weights is not None:
+                        self._busy = f"casting version {self.version} for the weights stream"
+                        base = self._pipe.base
+                        self._weights.offer(base.version, job.step, base.specs, base.bits)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 self._failure = exc
                 if not job.future.done():
@@ -523,6 +542,16 @@ def _host_copy(bits: np.ndarray) -> np.ndarray:
     out = tensorcodec.host_buffer(len(bits))
     out[:] = bits
     return out
+
+
+def _weights_config(weights: WeightsConfig | str | torch.dtype | None, group: object) -> WeightsConfig | None:
+    """``Recorder(weights=...)`` as a config, checked before anything is opened."""
+    if weights is None:
+        return None
+    if group is not None:
+        raise ConfigError("weights=: a multi-rank run's weights stream is published by `rewind publish "
+                          "--follow` (each rank holds only its part of the model)")
+    return weights if isinstance(weights, WeightsConfig) else WeightsConfig(dtype=serving_dtype(weights))
 
 
 def _restored(state: RebuiltState, report: ReplayReport, t0: float) -> RestoreResult:
