@@ -11,6 +11,7 @@ before applying any of it. Pure: no I/O.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -108,6 +109,85 @@ def encode_version(
             if chunk is not None:
                 out.append(chunk.to_delta(name, t.dtype, t.shape))
     return out
+
+
+@dataclass
+class Published:
+    """The newest published version's cast weights and their chunk digests: the base the
+    next patch is encoded against (``encode_cast`` brings it to the new version in place)."""
+
+    tensors: dict[str, CastTensor]
+    table: DigestTable
+
+    @staticmethod
+    def of(tensors: dict[str, CastTensor], chunk_bytes: int) -> Published:
+        return Published(tensors, digest_table(tensors, chunk_bytes))
+
+    def specs(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        return {n: t.spec for n, t in self.tensors.items()}
+
+    def digest(self) -> bytes:
+        """The digest of these cast weights (``weights_digest``)."""
+        return weights_digest(self.specs(), self.table)
+
+
+def cast_spec(t: torch.Tensor, dtype: str) -> tuple[str, tuple[int, ...]]:
+    """``(dtype, shape)`` of ``t`` as ``cast_tensor`` publishes it."""
+    return (dtype if t.is_floating_point() else tensorcodec.dtype_name(t.dtype)), tuple(t.shape)
+
+
+def encode_cast(
+    tensors: Mapping[str, torch.Tensor], dtype: str, prev: Published | None, base_version: int,
+    chunk_bytes: int,
+) -> tuple[list[TensorDelta], Published]:
+    """``encode_version`` of ``cast_weights(tensors, dtype)`` against ``prev`` (every chunk
+    ``FULL`` when ``None``), in one pass: each chunk is cast into a buffer that stays in
+    cache, compared, encoded, and written over ``prev``'s bits only if it changed, so no cast
+    copy of the whole model is made. Returns the chunks and ``prev`` brought to the new
+    version (a new one for a keyframe); ``prev`` must have ``tensors``' cast layout."""
+    if prev is None:
+        fresh = {n: CastTensor(*cast_spec(t, dtype), np.empty(_nbytes(t, dtype), dtype=np.uint8))
+                 for n, t in tensors.items()}
+        base, base_version = Published(fresh, {}), 0
+    else:
+        base = prev
+    out: list[TensorDelta] = []
+    for name in sorted(tensors):
+        src, dst = tensors[name].detach().reshape(-1), base.tensors[name]
+        size = tensorcodec.itemsize(dst.dtype)
+        ranges = tensorcodec.chunk_ranges(len(dst.bits), chunk_bytes)
+        digests = base.table.setdefault(name, [b""] * len(ranges))
+        for i, (off, n) in enumerate(ranges):
+            new = _cast_scratch(n)
+            _flat_view(new, dst.dtype).copy_(src[off // size:(off + n) // size])
+            old = None if prev is None else dst.bits[off:off + n]
+            chunk = tensorcodec.encode_chunk(new, old, typesize=size, base_version=base_version, index=i,
+                                             count=len(ranges), offset=off)
+            if chunk is not None:
+                out.append(chunk.to_delta(name, dst.dtype, dst.shape))
+                dst.bits[off:off + n] = new
+                digests[i] = chunk.digest
+    return out, base
+
+
+def _nbytes(t: torch.Tensor, dtype: str) -> int:
+    return t.numel() * tensorcodec.itemsize(cast_spec(t, dtype)[0])
+
+
+_local = threading.local()
+
+
+def _cast_scratch(n: int) -> np.ndarray:
+    """This thread's buffer for one cast chunk (``tensorcodec.chunk_scratch`` is the XOR's)."""
+    buf: np.ndarray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = np.empty(n, dtype=np.uint8)
+    return buf[:n]
+
+
+def _flat_view(bits: np.ndarray, dtype: str) -> torch.Tensor:
+    """A flat tensor of ``dtype`` over uint8 ``bits``."""
+    return torch.from_numpy(bits).view(tensorcodec.torch_dtype(dtype))
 
 
 def same_layout(a: Mapping[str, CastTensor], b: Mapping[str, CastTensor]) -> bool:

@@ -9,20 +9,13 @@ so they publish identical streams.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from eventlog.errors import ConfigError, IntegrityError, RunNotFoundError
 from eventlog.ports import EventLog, LogWriter
-from eventlog.weightcodec import (
-    CastTensor,
-    WeightsConfig,
-    cast_digest,
-    cast_weights,
-    encode_version,
-    same_layout,
-)
+from eventlog.weightcodec import CastTensor, Published, WeightsConfig, cast_spec, cast_weights, encode_cast
 from eventlog.weightstream import KEYFRAME, PATCH, PublishedVersion, WeightsStream
 
 #: The writer id of a stream's writer: one at a time, so a second one fences the first.
@@ -37,7 +30,7 @@ class StreamWriter:
         self.config = config
         self.stream = WeightsStream(log)
         self.index: list[PublishedVersion] = []
-        self.prev: dict[str, CastTensor] | None = None
+        self.prev: Published | None = None
         self.chunk_bytes = config.chunk_bytes  # a resumed stream keeps its own
         self._log = log
         self._writer: LogWriter | None = None
@@ -74,40 +67,43 @@ class StreamWriter:
         self.resume_cast(cast_weights(tensors, self.config.dtype))
 
     def resume_cast(self, prev: dict[str, CastTensor]) -> None:
-        """``resume`` with tensors already cast to the stream's dtype."""
+        """``resume`` with tensors already cast to the stream's dtype (kept: not copied)."""
         last = self.index[-1]
         self.chunk_bytes = last.chunk_bytes
-        got = cast_digest(prev, last.chunk_bytes)
+        published = Published.of(prev, last.chunk_bytes)
+        got = published.digest()
         if got != last.digest:
             raise IntegrityError(f"{self.stream.where}: version {last.version} as published differs from the "
                                  f"log's (digest {last.digest.hex()} vs {got.hex()}): the stream was "
                                  "written with other settings; rebuild it (rewind publish --rebuild)")
-        self.prev = prev
+        self.prev = published
 
     def clear(self) -> None:
         """Delete the whole stream (to publish it again)."""
         self.stream.clear()
         self.index, self.prev, self.chunk_bytes = [], None, self.config.chunk_bytes
 
-    def publish(self, version: int, step: int, tensors: Mapping[str, torch.Tensor]) -> PublishedVersion:
-        """Cast, encode and write one version (after the newest published one); apply
-        retention after a keyframe."""
-        new = cast_weights(tensors, self.config.dtype)
-        return self.publish_cast(version, step, new)
-
-    def publish_cast(self, version: int, step: int, new: dict[str, CastTensor]) -> PublishedVersion:
-        """``publish`` of tensors already cast to the stream's dtype."""
+    def publish(self, version: int, step: int, tensors: Mapping[str, torch.Tensor], *,
+                on_read: Callable[[], None] | None = None) -> PublishedVersion:
+        """Cast, encode and write one version (after the newest published one), each chunk
+        cast and compared in cache (``weightcodec.encode_cast``); apply retention after a
+        keyframe. ``tensors`` are only read, and only until the chunks are encoded, when
+        ``on_read`` is called (before the write)."""
         assert self._writer is not None, "open() the stream first"
         cfg, prev, base = self.config, self.prev, self.version
         keyframes = [p for p in self.index if p.keyframe]
         due = prev is None or not keyframes or version - keyframes[-1].version >= cfg.keyframe_every
-        if due or prev is None or not same_layout(prev, new):
-            chunks, kind, base = encode_version(new, None, 0, self.chunk_bytes), KEYFRAME, 0
+        if due or prev is None or prev.specs() != {n: cast_spec(t, cfg.dtype) for n, t in tensors.items()}:
+            prev, kind, base = None, KEYFRAME, 0
         else:
-            chunks, kind = encode_version(new, prev, base, self.chunk_bytes), PATCH
-        digest = cast_digest(new, self.chunk_bytes)
-        raw = sum(len(t.bits) for t in new.values())
-        self.stream.publish(self._writer, version, step, kind, cfg.dtype, base, chunks, digest, raw,
+            kind = PATCH
+        # ``prev`` becomes the new version in place: until the version is written, none is kept.
+        self.prev = None
+        chunks, new = encode_cast(tensors, cfg.dtype, prev, base, self.chunk_bytes)
+        if on_read is not None:
+            on_read()
+        raw = sum(len(t.bits) for t in new.tensors.values())
+        self.stream.publish(self._writer, version, step, kind, cfg.dtype, base, chunks, new.digest(), raw,
                             self.chunk_bytes)
         self.index += self.stream.index(gt=self.index[-1].seal_offset if self.index else None)
         published = self.index[-1]

@@ -386,6 +386,9 @@ class Recorder:
                 if self._failure is not None:
                     job.future.set_exception(self._failure)
                 else:
+                    if self._weights is not None:
+                        self._busy = f"waiting for the weights stream to read version {self.version}"
+                        self._weights.wait_base()
                     self._busy = f"writing version {self.version + 1} (step {job.step}) to the log"
                     job.future.set_result(self._write(job) if self._group is None else self._write_group(job))
                     # The version's encode buffers go back to the kernel before the trainer's
@@ -396,7 +399,6 @@ class Recorder:
                     self._busy = f"writing the snapshot of version {self.version}, if one is due"
                     self._offer_snapshot()
                     if self._weights is not None:
-                        self._busy = f"casting version {self.version} for the weights stream"
                         base = self._pipe.base
                         self._weights.offer(base.version, job.step, base.specs, base.bits)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future

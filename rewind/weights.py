@@ -1,13 +1,14 @@
 """A recorder that publishes its run's weights stream itself (``Recorder(weights=...)``).
 
-The recorder holds each committed version's exact bits in its base copy (the XOR base of
-the next commit), so it publishes a version without the fold that ``rewind publish`` runs
-to rebuild it: no optimizer step is replayed, and the trainer's cores do only the cast and
-the patch. The committer casts the version's model tensors right after it is durable (the
-next commit rewrites the base), and a thread of its own encodes and writes them while the
-committer goes on. Both writers go through ``eventlog.weightwriter``, so a stream written
-here is bit for bit the one ``rewind publish`` writes from the log, and either may take
-over from the other (the newer fences the older).
+The recorder holds each committed version's exact bits in its base copy (the XOR base of the
+next commit), so it publishes a version without the fold that ``rewind publish`` runs to
+rebuild it: no optimizer step is replayed, and the trainer's cores do only the cast and the
+patch. A thread of its own reads the version straight from the base, casting and encoding it
+a chunk at a time (no cast copy of the model), then writes it; the committer waits for that
+read to end only before the next commit rewrites the base. Both writers go through
+``eventlog.weightwriter``, so a stream written here is bit for bit the one ``rewind
+publish`` writes from the log, and either may take over from the other (the newer fences the
+older).
 
 The stream is a derived view: a failure to publish (a fenced writer, a broker down past its
 timeouts) stops publishing with a warning, never the training; ``rewind publish`` then
@@ -22,6 +23,7 @@ import threading
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import torch
 
 from eventlog import RunAddress, intraop
 from eventlog.errors import IntegrityError
@@ -29,22 +31,21 @@ from eventlog.events import TensorSpec
 from eventlog.optimstep import tensor_view
 from eventlog.ports import EventLog
 from eventlog.waits import warned_wait
-from eventlog.weightcodec import CastTensor, WeightsConfig, cast_tensor
+from eventlog.weightcodec import CastTensor, WeightsConfig, cast_weights
 from eventlog.weightwriter import StreamWriter
 
 _log = logging.getLogger(__name__)
 _MODEL = "model/"
 
-_Version = tuple[int, int, dict[str, CastTensor]]  # version, step, its cast model tensors
+_Version = tuple[int, int, dict[str, torch.Tensor]]  # version, step, views of its model tensors
 
 
 Bits = Mapping[str, np.ndarray]
 
 
-def model_cast(specs: Sequence[TensorSpec], bits: Bits, dtype: str) -> dict[str, CastTensor]:
-    """The model's tensors in ``bits`` (by log name), cast to ``dtype``, by state_dict key."""
-    return {s.name.removeprefix(_MODEL): cast_tensor(tensor_view(bits[s.name], s.dtype, tuple(s.shape)),
-                                                     dtype)
+def model_views(specs: Sequence[TensorSpec], bits: Bits) -> dict[str, torch.Tensor]:
+    """The model's tensors in ``bits`` (by log name), as views, by state_dict key."""
+    return {s.name.removeprefix(_MODEL): tensor_view(bits[s.name], s.dtype, tuple(s.shape))
             for s in specs if s.name.startswith(_MODEL)}
 
 
@@ -59,6 +60,8 @@ class CommittedWeights:
         self._where = f"weights stream of run {address.run_id!r}"
         self._queue: queue.Queue[_Version | None] = queue.Queue(maxsize=1)
         self._failure: BaseException | None = None
+        self._base_free = threading.Event()
+        self._base_free.set()
         self._resume: dict[str, CastTensor] | None = None
         self._resume_version = 0
         self._thread = threading.Thread(target=self._run, name="rewind-weights", daemon=True)
@@ -67,17 +70,21 @@ class CommittedWeights:
     def restored(self, version: int, specs: Sequence[TensorSpec], bits: Bits) -> None:
         """The recorder restored ``version``: if the stream ends there, its next version is a
         patch against it; otherwise (a stream that ends earlier) a keyframe."""
-        self._resume = model_cast(specs, bits, self.config.dtype)
+        self._resume = cast_weights(model_views(specs, bits), self.config.dtype)
         self._resume_version = version
 
     def offer(self, version: int, step: int, specs: Sequence[TensorSpec], bits: Bits) -> None:
-        """Publish committed ``version`` (its bits, which the caller changes once this returns)."""
+        """Publish committed ``version`` from ``bits``, which its thread reads until
+        ``wait_base`` returns: the caller must not change them before."""
         if self._failure is not None:
             return
-        cast = model_cast(specs, bits, self.config.dtype)
-        with warned_wait(lambda: f"the {self._where} to take version {version}: it is still writing the "
-                         "version before", _log):
-            self._queue.put((version, step, cast))
+        self._base_free.clear()
+        self._queue.put((version, step, model_views(specs, bits)))
+
+    def wait_base(self) -> None:
+        """Wait until the version offered last has been read (its bits may then change)."""
+        with warned_wait(lambda: f"the {self._where} to finish reading the version before", _log):
+            self._base_free.wait()
 
     def close(self) -> None:
         """Write the versions offered, then stop the thread and release the writer."""
@@ -93,17 +100,20 @@ class CommittedWeights:
         intraop.serial_torch()
         while (item := self._queue.get()) is not None:
             if self._failure is not None:
+                self._base_free.set()
                 continue
-            version, step, cast = item
+            version, step, views = item
             try:
-                self._publish(version, step, cast)
+                self._publish(version, step, views)
             except Exception as exc:  # noqa: BLE001 - a derived view: training goes on
                 self._failure = exc
                 _log.warning("%s: publishing stopped at version %d (%s: %s); training goes on, and "
                              "`rewind publish --follow` carries the stream on from the log",
                              self._where, version, type(exc).__name__, exc)
+            finally:
+                self._base_free.set()
 
-    def _publish(self, version: int, step: int, cast: dict[str, CastTensor]) -> None:
+    def _publish(self, version: int, step: int, views: dict[str, torch.Tensor]) -> None:
         if self._out is None:
             self._log = self._address.open_log()
             self._out = StreamWriter(self._log, self.config)
@@ -119,4 +129,4 @@ class CommittedWeights:
                     _log.warning("%s; this recorder publishes a keyframe next", exc)
         if version <= out.version:
             return  # published already (by `rewind publish` before this recorder took over)
-        out.publish_cast(version, step, cast)
+        out.publish(version, step, views, on_read=self._base_free.set)

@@ -10,10 +10,13 @@ import torch
 from eventlog import ConfigError, tensorcodec
 from eventlog.events import TensorDelta
 from eventlog.weightcodec import (
+    CastTensor,
+    Published,
     WeightsConfig,
     cast_digest,
     cast_weights,
     digest_table,
+    encode_cast,
     encode_version,
     same_layout,
     serving_dtype,
@@ -74,3 +77,31 @@ def test_layout_and_config_checks() -> None:
     with pytest.raises(ConfigError, match="keyframe_every >= 1"):
         WeightsConfig(keyframe_every=0)
     assert WeightsConfig(dtype="fp16").dtype == "float16"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_the_one_pass_encoder_writes_what_a_whole_cast_and_patch_write(dtype: str) -> None:
+    """``encode_cast`` (each chunk cast in cache, written over the published bits) gives the
+    chunks, the bits and the digest of ``cast_weights`` + ``encode_version``: NaNs,
+    infinities, subnormals and values past the dtype's range included, fp64 and int sources
+    too, at chunk sizes that cut elements' runs anywhere on the 16-byte grid."""
+    def state(seed: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(3000, generator=g) * 0.05
+        w[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e-40, -1e-42, 7e4, 3.4e38, 0.0])
+        return {"w": w, "d": torch.randn(77, 5, generator=g, dtype=torch.float64), "n": torch.tensor(seed),
+                "e": torch.empty(0)}
+
+    for chunk in (16, 48, 256):
+        prev_state, new_state = state(0), state(0)
+        new_state["w"][100:140] += 0.01
+        new_state["n"] += 1
+        prev, cur = cast_weights(prev_state, dtype), cast_weights(new_state, dtype)
+        kept = Published.of({k: CastTensor(t.dtype, t.shape, t.bits.copy()) for k, t in prev.items()}, chunk)
+        keyframe, first = encode_cast(prev_state, dtype, None, 9, chunk)
+        assert keyframe == encode_version(prev, None, 0, chunk)
+        assert first.table == kept.table and first.digest() == cast_digest(prev, chunk)
+        patch, second = encode_cast(new_state, dtype, kept, 4, chunk)
+        assert patch == encode_version(cur, prev, 4, chunk) and patch
+        assert second is kept and all(np.array_equal(second.tensors[k].bits, cur[k].bits) for k in cur)
+        assert second.digest() == cast_digest(cur, chunk) and second.table == digest_table(cur, chunk)
