@@ -333,8 +333,4 @@ def test_a_followers_peak_memory_above_a_bare_model_stays_under_1_25x_the_model(
     assert out.returncode == 0, out.stderr[-3000:]
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     assert (figures["mode"], figures["version"]) == ("full", 4)
-    # On Kafka, librdkafka's buffers and the allocator's arenas of its threads cost more than
-    # the embedded log's reads (issue 41's 1.25x is the embedded figure; Kafka's is measured
-    # by python -m benchmarks --only weights).
-    limit = 1.25 if run.log_url.startswith("sqlite://") else 1.75
-    assert figures["peak"] <= limit * figures["size"], f"peak {figures['peak'] / figures['size']:.2f}x"
+    assert figures["peak"] <= 1.25 * figures["size"], f"peak {figures['peak'] / figures['size']:.2f}x"

@@ -44,9 +44,11 @@ class KafkaLog(EventLog):
         self._lock = threading.Lock()
         conf = consumer_config(self.settings)
         self._readers = ReaderPool(lambda: Reader(conf), MAX_READERS)
-        # Weights followers hold only a model: their reads keep little read-ahead.
+        # Weights followers hold only a model: their reads keep little read-ahead, and one
+        # consumer (a librdkafka instance with its threads and buffers) serves every pass over
+        # a version, seeking back, instead of a new one per pass.
         weights_conf = consumer_config(self.settings, read_ahead=WEIGHTS_READ_AHEAD_BYTES)
-        self._weights_readers = ReaderPool(lambda: Reader(weights_conf), MAX_READERS)
+        self._weights_readers = ReaderPool(lambda: Reader(weights_conf), 1)
         self._offsets = Watermarks(conf)
         # Per partition, the last offset range a read found holding only transaction markers
         # and aborted records (a scan's final read usually asks for exactly that range).
