@@ -3,8 +3,8 @@
     python examples/rl_actors.py [--actors 2] [--updates 8] [--dir DIR] [--json OUT]
 
 The learner trains a small CartPole policy (REINFORCE, fp32, Adam) and records every update
-with a ``Recorder``; a ``Publisher`` thread (what ``rewind publish --follow`` runs) casts
-each sealed version to bfloat16 and publishes it as a patch. Each actor process holds only
+with a ``Recorder`` that also publishes each version it commits to the run's weights stream
+(``weights=torch.bfloat16``): cast to bfloat16 from its own copy, as a patch. Each actor process holds only
 a bfloat16 copy of the policy: a ``WeightsFollower`` keeps it at the newest published
 version, exact to the cast, and ``stamp()`` names the run, version and digest of the weights
 each rollout was made with. The learner refuses a rollout from a version it never sealed,
@@ -21,14 +21,13 @@ import json
 import multiprocessing as mp
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from rewind import Publisher, Recorder, RunAddress, Stamp, WeightsFollower
+from rewind import Recorder, RunAddress, Stamp, WeightsFollower
 
 OBS, ACTIONS, HIDDEN = 4, 2, 64
 #: The longest an actor or the learner waits for the other side (the example is bounded).
@@ -98,8 +97,8 @@ def reinforce(model: torch.nn.Module, opt: torch.optim.Optimizer, episode: dict[
 
 
 def learn(run: RunAddress, actors: int, updates: int) -> dict[str, Any]:
-    """The learner: record ``updates`` updates from the actors' rollouts while a publisher
-    thread serves each version in bf16; returns what it saw."""
+    """The learner: record ``updates`` updates from the actors' rollouts, each version
+    published in bf16; returns what it saw."""
     model = policy()
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     ctx = mp.get_context("spawn")
@@ -107,11 +106,8 @@ def learn(run: RunAddress, actors: int, updates: int) -> dict[str, Any]:
     per_actor = -(-updates // actors)  # every update has a rollout to learn from
     procs = [ctx.Process(target=actor, args=(i, run, per_actor, results)) for i in range(actors)]
     seen: list[dict[str, Any]] = []
-    stop = threading.Event()
-    with Recorder(run, model, opt, rng=False) as rec, Publisher(run) as pub:
+    with Recorder(run, model, opt, rng=False, weights=torch.bfloat16) as rec:
         sealed = {rec.commit(0, wait=True).result().version}
-        publisher = threading.Thread(target=pub.follow, args=(stop, 0.05), daemon=True)
-        publisher.start()
         for p in procs:
             p.start()
         try:
@@ -134,8 +130,6 @@ def learn(run: RunAddress, actors: int, updates: int) -> dict[str, Any]:
                 print(f"actor {msg['actor']}: return {ret:5.1f} with version {stamp.version} "
                       f"(stale by {stale}); learner at version {rec.version}", flush=True)
         finally:
-            stop.set()
-            publisher.join(timeout=WAIT_S)
             for p in procs:
                 p.join(timeout=WAIT_S)
                 if p.is_alive():
@@ -143,7 +137,7 @@ def learn(run: RunAddress, actors: int, updates: int) -> dict[str, Any]:
         bad = [p.exitcode for p in procs if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"actor processes exited with {bad}")
-        return {"sealed": sorted(sealed), "rollouts": seen, "published": pub.version}
+        return {"sealed": sorted(sealed), "rollouts": seen}
 
 
 def main(argv: list[str] | None = None) -> int:
