@@ -230,8 +230,9 @@ def record(
     rec_out.raw_state_bytes = work.raw_bytes()
     with Recorder(address, work.model, work.optimizer, work.scheduler, rng=True,
                   restorer=restorer) as rec:
-        if restorer is not None:
-            rec.restore()
+        # As every trainer starts (README): a fresh run's restore() finds nothing to load and
+        # allocates the staging buffers its first commits copy into.
+        rec.restore()
         for i in range(versions + 1):
             if i:
                 rec_out.step_recording_s.append(_timed_step(work))
@@ -277,8 +278,9 @@ def blocking_figures(r: Recording) -> dict[str, Any]:
     return {
         "rewind": rewind,
         "rewind_first_commit": r.blocking[0] if r.blocking else None,
-        # The first commits allocate the staging buffer sets (max_inflight + 1 of them).
+        # Staging buffers are allocated at restore(): the first commits copy like the rest.
         "rewind_allocating_commits_max": max(r.blocking[:3]) if r.blocking else None,
+        "first_commits_ratio": _ratio(max(r.blocking[:3]), rewind) if r.blocking else None,
         "torch_save": save,
         "torch_save_fsync": med(r.fsync_s),
         "memcpy": memcpy,

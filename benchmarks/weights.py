@@ -144,7 +144,7 @@ class TimedSeals:
 
     def __init__(self, pub: Any) -> None:
         self.at: dict[int, float] = {}
-        stream = pub._stream
+        stream = pub._out.stream
         inner = stream.publish
 
         def publish(writer: Any, version: int, *args: Any, **kw: Any) -> Any:

@@ -292,6 +292,7 @@ class Recorder:
             # No sealed version (a crash inside the very first commit leaves none): fresh run,
             # and the coordinator forgets any version the crashed commit had claimed.
             self._coord.reset_version(self.run_id, 0)
+            self._stage_ahead(sets=2)  # the first commit's staging becomes the base: the second needs one
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
         world = distributed.recorded_world(state)
         load_into(self._objects, full_state(state) if world else state)
@@ -319,7 +320,21 @@ class Recorder:
         self._coord.reset_version(self.run_id, state.version)
         self._coord.raise_gsn_floor(self.run_id, base.last_gsn)
         fingerprint.log_resume(self._pipe, state, report)
+        self._stage_ahead(sets=1)  # the restored state is the base already
         return _restored(state, report, t0)
+
+    def _stage_ahead(self, sets: int) -> None:
+        """Pay here, at restore(), for the staging buffers the first commits copy into, so
+        that no commit() faults fresh memory in on the training thread: the objects' tensors,
+        and the moments that a first Adam step will create."""
+        tensors, _ = self._capture()
+        sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+        if isinstance(self._plan, predictive_codec.StepPlan) and self._plan.optimizer in ("Adam", "AdamW"):
+            for i, param in enumerate(self._plan.params):
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if param in sizes:
+                        sizes.setdefault(f"{predictive_codec.state_prefix(i)}/{key}", sizes[param])
+        self._pipe.add_staging(sizes, sets)
 
     def close(self) -> None:
         """Write every queued commit, then release threads and connections."""

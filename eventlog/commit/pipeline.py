@@ -69,6 +69,9 @@ def small_state_event(name: str, state: bytes, role: str | None = None) -> Body:
     return SMALL_KINDS.get(name if role is None else role, CustomState)(name, state)
 
 
+_PAGE = 4096
+
+
 @dataclass
 class CommitBase:
     """The newest version a writer committed or restored: what the next commit is encoded
@@ -162,6 +165,17 @@ class CommitPipeline:
         """Buffers to stage the next commit into: a replaced base's, or a new empty set."""
         with self._spare_lock:
             return self._spare.pop() if self._spare else {}
+
+    def add_staging(self, sizes: Mapping[str, int], sets: int) -> None:
+        """Allocate ``sets`` staging sets of buffers sized ``sizes`` (bytes by tensor name)
+        and touch every page, so that the first commits copy into memory that is already
+        there instead of faulting it in on the training thread."""
+        for _ in range(sets):
+            staged = {name: tensorcodec.host_buffer(n) for name, n in sizes.items()}
+            for buf in staged.values():
+                buf[::_PAGE] = 0  # one write per page maps it
+            with self._spare_lock:
+                self._spare.append(staged)
 
     def advance(self, bits: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
                 chunk_digests: dict[str, list[bytes]], small: dict[str, bytes], version: int,
