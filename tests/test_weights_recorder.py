@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eventlog import ConfigError, RunAddress
+from eventlog import AuthenticationError, ConfigError, RunAddress, serde
+from eventlog.events import TensorDelta
+from eventlog.ports import WEIGHTS
 from eventlog.weightcodec import WeightsConfig
 from eventlog.weightstream import WeightsStream
 from replayer.publisher import Publisher
@@ -139,3 +141,25 @@ def test_a_trainer_killed_inside_a_published_version_restarts_and_actors_end_at_
     with WeightsFollower(run, net()) as late:
         assert late.poll().version_after == 12
         assert model_hash(late.model.state_dict()) == casts[12]
+
+
+def test_an_encrypted_runs_recorder_writes_its_stream_encrypted(
+        run: RunAddress, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REWIND_KEYS", "k1=" + "11" * 32)
+    torch.manual_seed(0)
+    model = net().float()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    with Recorder(run, model, opt, rng=False, weights=CFG) as rec:
+        for step in range(2):
+            _train(model, opt, step)
+            rec.commit(step)
+    with run.open_log() as log:
+        envelopes = [serde.decode(r.value) for r in log.read(WEIGHTS)]
+    chunks = [e for e in envelopes if isinstance(e.body, TensorDelta)]
+    assert chunks and all(e.key_id == "k1" for e in chunks)
+    with WeightsFollower(run, net()) as follower:
+        assert follower.poll().version_after == 2
+        assert model_hash(follower.model.state_dict()) == _cast_hash(model)
+    monkeypatch.delenv("REWIND_KEYS")
+    with WeightsFollower(run, net()) as late, pytest.raises(AuthenticationError, match="with key 'k1'"):
+        late.poll()
