@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ def run(backend: str, tmp_path: Path) -> RunAddress:
     return make_address(backend, tmp_path)
 
 
-def _stream(run: RunAddress) -> list[tuple[object, ...]]:
+def _stream(run: RunAddress) -> list[tuple[Any, ...]]:
     """Every published version's seal fields and its chunks' decrypted payloads."""
     with run.open_log() as log:
         stream = WeightsStream(log)
