@@ -126,13 +126,7 @@ def replay(
                 # The checked fold passed the seal: its state stands, but say what the
                 # first one met (a file that changed between the reads, or a bug).
                 if isinstance(exc, BatchedStepsMismatchError):
-                    _log.warning("run %r: %s; a fold from the same start that checked every step "
-                                 "and gradient chunk (and the snapshot's files) matched the seal, "
-                                 "and its state is the one returned. The batched optimizer steps "
-                                 "rebuilt %s differently: a bug, please report it "
-                                 "(REWIND_REPLAY_DEFER_STEPS=0 replays without batching)",
-                                 log.run_id, exc.mismatch, differing(exc.rebuilt, state.tensors()))
-                    exc.rebuilt = {}  # (the batched bits, held until compared)
+                    _warn_batched(log.run_id, exc, state, lambda: fold(start_at(checked=True)[0], True))
                 else:
                     _log.warning("run %r: a batched replay of %s failed (%s), a fold with every "
                                  "check from the same start matched the seal", log.run_id,
@@ -158,6 +152,30 @@ def replay(
         snapshot_id=start.snapshot_id if start else None,
     )
     return state, report
+
+
+def _warn_batched(run_id: str, exc: BatchedStepsMismatchError, state: RebuiltState,
+                  again: Callable[[], object]) -> None:
+    """Warn that only the batched fold missed the seal: what it rebuilt differently, and
+    whether ``again`` (a batched fold from the snapshot read with its checksums) misses it too
+    (the batched steps compute differently) or not (the first fold read other bits)."""
+    differs = differing(exc.rebuilt, state.tensors())
+    exc.rebuilt = {}  # (the batched bits, held until compared)
+    try:
+        again()
+        verdict = ("a second batched fold, from the snapshot read with its checksums, matched the "
+                   "seal: the first one read other bits (the snapshot's files, or the log's mapped "
+                   "gradients, changed under it)")
+    except BatchedStepsMismatchError:
+        verdict = ("a second batched fold, from the snapshot read with its checksums, missed it too: "
+                   "the batched optimizer steps compute differently")
+    except (IntegrityError, DecodeError) as second:
+        verdict = f"a second batched fold failed otherwise ({second})"
+    _log.warning("run %r: %s; a fold from the same start that checked every step and gradient chunk "
+                 "(and the snapshot's files) matched the seal, and its state is the one returned. "
+                 "The batched fold rebuilt %s differently, and %s. A bug: please report it "
+                 "(REWIND_REPLAY_DEFER_STEPS=0 replays without batching)", run_id, exc.mismatch, differs,
+                 verdict)
 
 
 def differing(batched: Mapping[str, TensorBits], checked: Mapping[str, object], most: int = 4) -> str:

@@ -279,10 +279,12 @@ def test_batched_steps_that_diverge_alone_are_reported_as_such(
     assert all(np.array_equal(got[n].bits, want[n].bits) for n in want)  # type: ignore[attr-defined]
     [record] = [r for r in caplog.records if "batched optimizer steps" in r.getMessage()]
     msg = record.getMessage()
-    assert "rebuilt to version 3 has digest" in msg and "a bug, please report it" in msg
+    assert "rebuilt to version 3 has digest" in msg and "A bug: please report it" in msg
     assert ("a fold from the same start that checked every step and gradient chunk (and the "
             "snapshot's files) matched the seal") in msg
     assert re.search(r"rebuilt 'model/[^']+' \([1-4] of \d+ bytes\)", msg), msg
+    assert "a second batched fold, from the snapshot read with its checksums, missed it too: the " \
+           "batched optimizer steps compute differently" in msg
     assert "to name" not in msg  # no advice to look for a damaged chunk
 
 
