@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 #: The recorder's extra resident memory target (issue 26), as a multiple of the state.
-TARGET = 2.5
+TARGET = 2.2
 #: Versions between the snapshots of a ``--snapshots`` run (several snapshots per run).
 SNAPSHOT_EVERY = 5
 

@@ -38,6 +38,9 @@ COMMIT_LIMIT = 1.5
 THROUGHPUT_LIMIT = 0.75
 #: 2 workers' speedup over 1, as a share of the floor's own 2-vs-1 speedup in the same run.
 SPEEDUP_SHARE = 0.95
+#: Peak resident memory above the process's baseline, as a multiple of the state.
+SNAPSHOTTER_LIMIT = 1.5
+RECOVERY_PROCESS_LIMIT = 2.0
 #: The recorder's commits in each memory run (snapshots every ``memory.SNAPSHOT_EVERY``).
 MEMORY_COMMITS = 12
 #: Flags passed on to each size's scenario run: (attribute, flag).
@@ -137,6 +140,12 @@ def judge(size: dict[str, Any]) -> dict[str, Any]:
         row = size.get("memory", {}).get(codec, {})
         out[f"recorder_memory_{codec}"] = _target(row.get("peak"), "<=", MEMORY_LIMIT,
                                                   f"{codec} + snapshots, peak <= {MEMORY_LIMIT} x state")
+    state = recovery.get("raw_state_bytes")
+    for key, field, limit, text in (
+            ("snapshotter_memory", "peak_extra_bytes_snapshotter", SNAPSHOTTER_LIMIT, "snapshotter process"),
+            ("recovery_memory", "peak_extra_bytes_workers_2", RECOVERY_PROCESS_LIMIT, "recovery process")):
+        out[key] = _target(_per_state(recovery.get(field), state), "<=", limit,
+                           f"{text}, peak <= {limit} x state")
     return out
 
 
@@ -229,8 +238,10 @@ def table(results: dict[str, Any]) -> Table:
             judged(f"recorder_memory_{codec}", lambda g: _x(g["value"])))
         row(f"  after {MEMORY_COMMITS} commits", "", mem(codec, "rss_after_last"))
     row("clone() staging (DCP-style), peak", "", mem("clone"))
-    row("snapshotter process, peak", "", rec_mem("peak_extra_bytes_snapshotter"))
-    row("recovery process (2 workers), peak", "", rec_mem("peak_extra_bytes_workers_2"))
+    row("snapshotter process, peak", f"<= {SNAPSHOTTER_LIMIT}x", judged("snapshotter_memory",
+                                                                       lambda g: _x(g["value"])))
+    row("recovery process (2 workers), peak", f"<= {RECOVERY_PROCESS_LIMIT}x",
+        judged("recovery_memory", lambda g: _x(g["value"])))
     row("torch.load process, peak", "", rec_mem("peak_extra_bytes_torch_load"))
     return t
 
