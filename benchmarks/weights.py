@@ -215,11 +215,12 @@ def trainer_step(address: Any, work: Workload, log: Log, steps: int = 2 * VERSIO
             work.step()
             rec.commit(work.steps_done)
         rec.flush()
+        wall = (time.perf_counter() - t0) / steps
         if kind == "recorder":
             caught_up(kind, inproc, rec.version)  # its CPU counted, its wall time not
         if kind:
             cpu[kind].append((time.process_time() - c0) / steps)
-        return (time.perf_counter() - t0) / steps
+        return wall
 
     inproc = dataclasses.replace(address, run_id=f"{address.run_id}-w")
     times: dict[str, list[float]] = {"off": [], "recorder": [], "service": []}

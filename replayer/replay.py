@@ -110,6 +110,7 @@ def replay(
         # digests (two passes over the whole state).
         batched = settings.replay_defer_steps
         start, passed = start_at(checked=not batched)
+        miss: tuple[str, str] | None = None  # only the batched fold missed the seal: what, where
         try:
             state = fold(start, batched)
         except (IntegrityError, DecodeError) as exc:
@@ -120,17 +121,21 @@ def replay(
             # differs. Fold again with every check, so a damaged snapshot is named and
             # passed over for an older one, and a damaged record is named; or the version,
             # the tensor and both torch builds of a step that predicts differently.
-            first, (start, passed) = start, start_at(checked=True)
+            first = _source(start)
+            start, passed = start_at(checked=True)
             state = fold(start, False)
-            if _source(start) == _source(first):
+            if _source(start) == first:
                 # The checked fold passed the seal: its state stands, but say what the
                 # first one met (a file that changed between the reads, or a bug).
                 if isinstance(exc, BatchedStepsMismatchError):
-                    _warn_batched(log.run_id, exc, state, lambda: fold(start_at(checked=True)[0], True))
+                    miss = exc.mismatch, differing(exc.rebuilt, state.tensors())
+                    exc.rebuilt = {}
                 else:
                     _log.warning("run %r: a batched replay of %s failed (%s), a fold with every "
                                  "check from the same start matched the seal", log.run_id,
                                  _source(start), exc)
+        if miss is not None:  # past the except block, which kept the batched fold's state alive
+            _warn_batched(log.run_id, *miss, lambda: fold(start_at(checked=True)[0], True))
     c = state.counts
     digest = state.state_digest()
     if digest != state.seal.seal.state_digest:
@@ -154,13 +159,11 @@ def replay(
     return state, report
 
 
-def _warn_batched(run_id: str, exc: BatchedStepsMismatchError, state: RebuiltState,
-                  again: Callable[[], object]) -> None:
-    """Warn that only the batched fold missed the seal: what it rebuilt differently, and
-    whether ``again`` (a batched fold from the snapshot read with its checksums) misses it too
-    (the batched steps compute differently) or not (the first fold read other bits)."""
-    differs = differing(exc.rebuilt, state.tensors())
-    exc.rebuilt = {}  # (the batched bits, held until compared)
+def _warn_batched(run_id: str, mismatch: str, differs: str, again: Callable[[], object]) -> None:
+    """Warn that only the batched fold missed the seal (``mismatch``), rebuilding ``differs``
+    differently, and whether ``again`` (a batched fold from the snapshot read with its
+    checksums) misses it too (the batched steps compute differently) or not (the first fold
+    read other bits). Whatever ``again`` meets only changes the warning: the state stands."""
     try:
         again()
         verdict = ("a second batched fold, from the snapshot read with its checksums, matched the "
@@ -169,12 +172,12 @@ def _warn_batched(run_id: str, exc: BatchedStepsMismatchError, state: RebuiltSta
     except BatchedStepsMismatchError:
         verdict = ("a second batched fold, from the snapshot read with its checksums, missed it too: "
                    "the batched optimizer steps compute differently")
-    except (IntegrityError, DecodeError) as second:
-        verdict = f"a second batched fold failed otherwise ({second})"
+    except Exception as second:  # noqa: BLE001 - a diagnostic; the verified state is returned
+        verdict = f"a second batched fold failed otherwise ({type(second).__name__}: {second})"
     _log.warning("run %r: %s; a fold from the same start that checked every step and gradient chunk "
                  "(and the snapshot's files) matched the seal, and its state is the one returned. "
                  "The batched fold rebuilt %s differently, and %s. A bug: please report it "
-                 "(REWIND_REPLAY_DEFER_STEPS=0 replays without batching)", run_id, exc.mismatch, differs,
+                 "(REWIND_REPLAY_DEFER_STEPS=0 replays without batching)", run_id, mismatch, differs,
                  verdict)
 
 

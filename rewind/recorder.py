@@ -320,8 +320,10 @@ class Recorder:
         self._coord.reset_version(self.run_id, state.version)
         self._coord.raise_gsn_floor(self.run_id, base.last_gsn)
         fingerprint.log_resume(self._pipe, state, report)
+        result = _restored(state, report, t0)
+        del state  # (the replayed copy, before the staging buffers are allocated)
         self._stage_ahead(sets=1)  # the restored state is the base already
-        return _restored(state, report, t0)
+        return result
 
     def _stage_ahead(self, sets: int) -> None:
         """Pay here, at restore(), for the staging buffers the first commits copy into, so
@@ -353,13 +355,15 @@ class Recorder:
             with warned_wait(lambda: f"the snapshotter of run {self.run_id!r} to finish its last snapshot "
                              "before the recorder closes", _logger):
                 self._snapshotter.stop(final=self._failure is None)
-        if self._weights is not None:
-            self._weights.close()
-        if self._steps is not None:
-            self._steps.close()
-        self._pipe.close()
-        self._log.close()
-        self._coord.close()
+        try:
+            if self._weights is not None:
+                self._weights.close()
+        finally:
+            if self._steps is not None:
+                self._steps.close()
+            self._pipe.close()
+            self._log.close()
+            self._coord.close()
 
     def __enter__(self) -> Recorder:
         return self

@@ -17,10 +17,11 @@ carries the stream on from the log.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -37,7 +38,7 @@ from eventlog.weightwriter import StreamWriter
 _log = logging.getLogger(__name__)
 _MODEL = "model/"
 
-_Version = tuple[int, int, dict[str, torch.Tensor]]  # version, step, views of its model tensors
+_Version = tuple[int, int, int, dict[str, torch.Tensor]]  # ticket, version, step, views of its model tensors
 
 
 Bits = Mapping[str, np.ndarray]
@@ -60,8 +61,10 @@ class CommittedWeights:
         self._where = f"weights stream of run {address.run_id!r}"
         self._queue: queue.Queue[_Version | None] = queue.Queue(maxsize=1)
         self._failure: BaseException | None = None
-        self._base_free = threading.Event()
-        self._base_free.set()
+        # Tickets: offers made, and offers whose bits the thread is done reading. The committer
+        # may change the base once every offer is read; a ticket ties "read" to its version.
+        self._reads = threading.Condition()
+        self._offered = self._read = 0
         self._resume: dict[str, CastTensor] | None = None
         self._resume_version = 0
         self._thread = threading.Thread(target=self._run, name="rewind-weights", daemon=True)
@@ -76,44 +79,55 @@ class CommittedWeights:
     def offer(self, version: int, step: int, specs: Sequence[TensorSpec], bits: Bits) -> None:
         """Publish committed ``version`` from ``bits``, which its thread reads until
         ``wait_base`` returns: the caller must not change them before."""
-        if self._failure is not None:
+        if self._failure is not None or not self._thread.is_alive():
             return
-        self._base_free.clear()
-        self._queue.put((version, step, model_views(specs, bits)))
+        with self._reads:
+            self._offered += 1
+            ticket = self._offered
+        self._queue.put((ticket, version, step, model_views(specs, bits)))
 
     def wait_base(self) -> None:
-        """Wait until the version offered last has been read (its bits may then change)."""
-        with warned_wait(lambda: f"the {self._where} to finish reading the version before", _log):
-            self._base_free.wait()
+        """Wait until every version offered has been read (the base may then change)."""
+        with warned_wait(lambda: f"the {self._where} to finish reading the version before", _log), \
+                self._reads:
+            while self._read < self._offered and self._thread.is_alive():
+                self._reads.wait(1.0)
 
     def close(self) -> None:
         """Write the versions offered, then stop the thread and release the writer."""
-        with warned_wait(lambda: f"the {self._where} to write its last version", _log):
-            self._queue.put(None)
-            self._thread.join()
-        if self._out is not None:
-            self._out.close()
-        if self._log is not None:
-            self._log.close()
+        try:
+            with warned_wait(lambda: f"the {self._where} to write its last version", _log):
+                if self._thread.is_alive():
+                    self._queue.put(None)
+                self._thread.join()
+        finally:
+            if self._out is not None:
+                self._out.close()
+            if self._log is not None:
+                self._log.close()
+
+    def _done_reading(self, ticket: int) -> None:
+        with self._reads:
+            self._read = max(self._read, ticket)
+            self._reads.notify_all()
 
     def _run(self) -> None:
         intraop.serial_torch()
         while (item := self._queue.get()) is not None:
-            if self._failure is not None:
-                self._base_free.set()
-                continue
-            version, step, views = item
+            ticket, version, step, views = item
             try:
-                self._publish(version, step, views)
+                if self._failure is None:
+                    self._publish(version, step, views, functools.partial(self._done_reading, ticket))
             except Exception as exc:  # noqa: BLE001 - a derived view: training goes on
                 self._failure = exc
                 _log.warning("%s: publishing stopped at version %d (%s: %s); training goes on, and "
                              "`rewind publish --follow` carries the stream on from the log",
                              self._where, version, type(exc).__name__, exc)
             finally:
-                self._base_free.set()
+                self._done_reading(ticket)
 
-    def _publish(self, version: int, step: int, views: dict[str, torch.Tensor]) -> None:
+    def _publish(self, version: int, step: int, views: dict[str, torch.Tensor],
+                 read: Callable[[], None]) -> None:
         if self._out is None:
             self._log = self._address.open_log()
             self._out = StreamWriter(self._log, self.config)
@@ -129,4 +143,4 @@ class CommittedWeights:
                     _log.warning("%s; this recorder publishes a keyframe next", exc)
         if version <= out.version:
             return  # published already (by `rewind publish` before this recorder took over)
-        out.publish(version, step, views, on_read=self._base_free.set)
+        out.publish(version, step, views, on_read=read)

@@ -164,3 +164,49 @@ def test_an_encrypted_runs_recorder_writes_its_stream_encrypted(
     monkeypatch.delenv("REWIND_KEYS")
     with WeightsFollower(run, net()) as late, pytest.raises(AuthenticationError, match="with key 'k1'"):
         late.poll()
+
+
+def test_the_committer_waits_for_the_newest_offered_version_to_be_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream write that outlasts the next commit must not let the committer change the base
+    before that next version is read: ``wait_base`` waits for every version offered."""
+    import time
+
+    import numpy as np
+
+    from eventlog.events import TensorSpec
+    from rewind import weights as weights_module
+
+    events: list[tuple[str, int, float]] = []
+
+    class SlowWriter:
+        opened, version = True, 0
+
+        def __init__(self, *_: Any) -> None:
+            pass
+
+        def publish(self, version: int, step: int, views: Any, *, on_read: Any) -> None:
+            time.sleep(0.3 if version == 2 else 0.0)  # reading version 2 is slow
+            events.append(("read", version, time.monotonic()))
+            on_read()
+            time.sleep(0.6 if version == 1 else 0.0)  # writing version 1 is slower
+            self.version = version
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(weights_module, "StreamWriter", SlowWriter)
+    monkeypatch.setattr(RunAddress, "open_log", lambda self: None)
+    spec = (TensorSpec("model/w", "float32", (4,), 0),)
+    bits = {"model/w": np.zeros(16, dtype=np.uint8)}
+    pub = weights_module.CommittedWeights(make_address("embedded", tmp_path), CFG)
+    try:
+        pub.offer(1, 0, spec, bits)
+        pub.wait_base()
+        pub.offer(2, 1, spec, bits)  # while version 1 is still being written
+        pub.wait_base()
+        events.append(("base may change", 2, time.monotonic()))
+    finally:
+        pub.close()
+    order = [(what, v) for what, v, _ in events]
+    assert order.index(("read", 2)) < order.index(("base may change", 2)), order

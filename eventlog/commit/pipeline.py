@@ -169,7 +169,10 @@ class CommitPipeline:
     def add_staging(self, sizes: Mapping[str, int], sets: int) -> None:
         """Allocate ``sets`` staging sets of buffers sized ``sizes`` (bytes by tensor name)
         and touch every page, so that the first commits copy into memory that is already
-        there instead of faulting it in on the training thread."""
+        there instead of faulting it in on the training thread. Sets already spare count: a
+        second call adds none."""
+        with self._spare_lock:
+            sets -= len(self._spare)
         for _ in range(sets):
             staged = {name: tensorcodec.host_buffer(n) for name, n in sizes.items()}
             for buf in staged.values():
