@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from eventlog import filemaps
 from eventlog.embedded import segments
 from eventlog.embedded.db import SUM_ENDS, Database, checksum_mismatch, integer_read, record_sum, wrapped
 from eventlog.errors import CorruptMessageError, CorruptStoreError, RewindError, TruncatedHistoryError
@@ -131,6 +132,10 @@ class Stored(NamedTuple):
             if self.view is None or self.bulk_at < 0:
                 raise
             return decode(ViewStream(self.view, -1), self.size(), offset)
+        finally:
+            # Reading the checksum's ends and the envelope faulted in whole folios of the
+            # file, most of a big record: the fold maps each part again when it reads it.
+            filemaps.release(self.view)
 
 
 def _blob_bytes(blob: sqlite3.Blob, db: Database) -> bytes:

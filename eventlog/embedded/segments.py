@@ -40,6 +40,7 @@ from pathlib import Path
 
 import xxhash
 
+from eventlog import filemaps
 from eventlog.durability import fsync_dir
 from eventlog.errors import CorruptStoreError, EventLogError
 from eventlog.ports import MessageBytes, message_size
@@ -235,7 +236,9 @@ class Reader:
                     f"byte {need} (truncated?)")
             # Private and writable underneath, read-only on top: a stray write into a view
             # then lands in a private copy of its page, not in a fault that kills the process.
-            mapped = memoryview(mmap.mmap(fd, size, access=mmap.ACCESS_COPY)).toreadonly()
+            region = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+            filemaps.track(region)  # a fold gives back the pages of each chunk it applied
+            mapped = memoryview(region).toreadonly()
         except BaseException:
             os.close(fd)
             raise

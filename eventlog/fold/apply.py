@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eventlog import optimstep, tensorcodec
+from eventlog import filemaps, optimstep, tensorcodec
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import (
     BatchedStepsMismatchError,
@@ -194,6 +194,8 @@ class ShardState:
             buf = TensorBits(delta.dtype, shape, np.zeros(n, dtype=np.uint8))
             into[delta.name] = buf
         tensorcodec.decode_chunk(delta, buf.bits, where, verify=verify)
+        if delta.encoding != TensorDelta.GRAD:  # (a gradient is read again by its step)
+            filemaps.release(delta.payload)
         if delta.encoding == TensorDelta.GRAD:
             count, seen = self.grad_chunks.setdefault(delta.name, (delta.chunk_count, set()))
             if count != delta.chunk_count:

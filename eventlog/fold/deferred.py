@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from eventlog import optimstep, tensorcodec
+from eventlog import filemaps, optimstep, tensorcodec
 from eventlog.errors import IntegrityError, RewindError
 from eventlog.events import OptimizerStep, TensorDelta
 from eventlog.fold.bits import TensorBits
@@ -360,6 +360,20 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
             raise optimstep.describe_failure(step.body, step.version, step.where, exc) from exc
     for (name, _), value in copies.items():
         finals[name] = value  # every tile of a param counts the same steps
+    for step in steps:  # no later unit reads these gradient bytes again
+        for tile in unit:
+            if (grad := step.grads.get(tile.param)) is not None:
+                _release(grad, tile)
+
+
+def _release(grad: GradChunks, tile: _Tile) -> None:
+    """Give back the mapped pages of the tile's gradient (``eventlog.filemaps``): its part of
+    one uncompressed chunk, or the whole payloads of its chunks."""
+    for i in tile.chunks:
+        delta = grad.chunks[i][0]
+        part = tile.nbytes < delta.byte_length  # (only an uncompressed chunk is cut in parts)
+        filemaps.release(memoryview(delta.payload)[tile.skip:tile.skip + tile.nbytes] if part
+                         else delta.payload)
 
 
 class _Views:
