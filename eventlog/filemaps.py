@@ -15,6 +15,7 @@ an anonymous map, so a view of any other buffer is left alone.
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import threading
 import weakref
@@ -58,7 +59,5 @@ def release(view: object) -> None:
     start = -(-at // _PAGE) * _PAGE  # whole pages only: a neighbour's bytes stay mapped
     stop = (at + view.nbytes) // _PAGE * _PAGE
     if stop > start:
-        try:
+        with contextlib.suppress(OSError, ValueError):  # refused: the pages stay, as before
             owner.madvise(mmap.MADV_DONTNEED, start, stop - start)
-        except (OSError, ValueError):  # a kernel that refuses: the pages stay, as before
-            pass
