@@ -3,6 +3,7 @@
     python -m benchmarks._timed load CHECKPOINT
     python -m benchmarks._timed replay LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL WORKERS TARGET
     python -m benchmarks._timed check LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL CHECKPOINT
+    python -m benchmarks._timed recover LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL OUT_DIR
     python -m benchmarks._timed snapshot LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL
     python -m benchmarks._timed read THREADS FILE...
     python -m benchmarks._timed steps LOG_URL COORD_URL RUN_ID SNAPSHOTS_URL REPEATS
@@ -13,7 +14,8 @@ Prints one JSON line ``{"seconds": ..., "peak_extra_bytes": ...}``: the time of
 process's peak resident memory (``VmHWM``) above its resident memory once the imports are
 done. A fresh process gives each job the same memory state (no warm allocator): in the
 benchmark's own process the time of ``torch.load`` varied 3x with what was freed before it.
-``check`` replays the newest version and compares it bit for bit with the checkpoint
+``recover`` is ``rewind recover``'s job: the replay (2 workers), then the checkpoint
+written to ``OUT_DIR``. ``check`` replays the newest version and compares it bit for bit with the checkpoint
 (``torch.save`` of the live state at that version), so the benchmark's own process need not
 hold a second copy of the state. ``read`` and ``steps`` time the floor's two bare jobs
 (``benchmarks.floor``).
@@ -80,6 +82,17 @@ def _replay_job(argv: list[str]) -> dict[str, Any]:
     return {"seconds": seconds, **_report(report)}
 
 
+def _recover(argv: list[str]) -> dict[str, Any]:
+    from pathlib import Path
+
+    from replayer.replay import write_checkpoint
+
+    t0 = time.perf_counter()
+    state, report, _ = _replay(argv, 2, "latest")
+    write_checkpoint(state, report, Path(argv[4]))
+    return {"seconds": time.perf_counter() - t0, **_report(report)}
+
+
 def _check(argv: list[str]) -> dict[str, Any]:
     """Replay the newest version (2 workers) and compare every tensor with the checkpoint's."""
     import torch
@@ -131,8 +144,8 @@ def _steps(argv: list[str]) -> dict[str, Any]:
 
 
 JOBS: dict[str, Callable[[list[str]], dict[str, Any]]] = {
-    "load": _load, "replay": _replay_job, "check": _check, "snapshot": _snapshot, "read": _read,
-    "steps": _steps,
+    "load": _load, "replay": _replay_job, "recover": _recover, "check": _check, "snapshot": _snapshot,
+    "read": _read, "steps": _steps,
 }
 
 

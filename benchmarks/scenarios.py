@@ -378,6 +378,10 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, step_s: float | Non
     tail, snapshot_version = check["tail_versions"], check["snapshot_version"]
     cfg.log(f"  replayed state is bit-identical to the live state (v{check['version']}: "
             f"snapshot v{snapshot_version} + {tail} versions, {check['tensors']} tensors)")
+    with tempfile.TemporaryDirectory(prefix="rewind-recover-", dir=os.path.dirname(r.last_checkpoint)) as out:
+        recover = _timed(["recover", *base, out])  # ``rewind recover``: replay, then write it out
+    cfg.log(f"  recover (replay + checkpoint written): {recover['seconds']:.2f} s, "
+            f"{recover['peak_extra_bytes'] / MB:.0f} MB peak")
     # The floor (``benchmarks.floor``): the tail's optimizer steps and the state's checks
     # alone, bare, in one fresh process; then (in the loop below, interleaved with the
     # replays) the snapshot's files alone read into fresh memory, each in a fresh process.
@@ -505,6 +509,7 @@ def recovery(cfg: Config, address: RunAddress, r: Recording, step_s: float | Non
         "peak_extra_bytes_workers_1": max(peaks["workers_1"], default=None),
         "peak_extra_bytes_torch_load": max(peaks["torch_load"], default=None),
         "peak_extra_bytes_check": check["peak_extra_bytes"],
+        "peak_extra_bytes_recover": recover["peak_extra_bytes"],
         "peak_extra_bytes_snapshotter": r.snapshot_peak_extra_bytes,
         "peak_extra_bytes_floor_steps": floor.get("peak_extra_bytes"),
         "raw_state_bytes": r.raw_state_bytes,

@@ -22,8 +22,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from .memory import RESTORE_TARGET, recorder_runs
 from .memory import TARGET as MEMORY_LIMIT
-from .memory import recorder_runs
 from .model import parse_size
 from .scenarios import RECOVERY_LIMIT
 
@@ -41,6 +41,7 @@ SPEEDUP_SHARE = 0.95
 #: Peak resident memory above the process's baseline, as a multiple of the state.
 SNAPSHOTTER_LIMIT = 1.5
 RECOVERY_PROCESS_LIMIT = 2.0
+RESTORE_LIMIT = RESTORE_TARGET
 #: The recorder's commits in each memory run (snapshots every ``memory.SNAPSHOT_EVERY``).
 MEMORY_COMMITS = 12
 #: Flags passed on to each size's scenario run: (attribute, flag).
@@ -140,10 +141,14 @@ def judge(size: dict[str, Any]) -> dict[str, Any]:
         row = size.get("memory", {}).get(codec, {})
         out[f"recorder_memory_{codec}"] = _target(row.get("peak"), "<=", MEMORY_LIMIT,
                                                   f"{codec} + snapshots, peak <= {MEMORY_LIMIT} x state")
+    restore = size.get("memory", {}).get("restore", {})
+    out["restore_memory"] = _target(restore.get("peak"), "<=", RESTORE_LIMIT,
+                                    f"trainer's restore(), peak <= {RESTORE_LIMIT} x state")
     state = recovery.get("raw_state_bytes")
     for key, field, limit, text in (
             ("snapshotter_memory", "peak_extra_bytes_snapshotter", SNAPSHOTTER_LIMIT, "snapshotter process"),
-            ("recovery_memory", "peak_extra_bytes_workers_2", RECOVERY_PROCESS_LIMIT, "recovery process")):
+            ("recovery_memory", "peak_extra_bytes_recover", RECOVERY_PROCESS_LIMIT,
+             "rewind recover process")):
         out[key] = _target(_per_state(recovery.get(field), state), "<=", limit,
                            f"{text}, peak <= {limit} x state")
     return out
@@ -240,8 +245,12 @@ def table(results: dict[str, Any]) -> Table:
     row("clone() staging (DCP-style), peak", "", mem("clone"))
     row("snapshotter process, peak", f"<= {SNAPSHOTTER_LIMIT}x", judged("snapshotter_memory",
                                                                        lambda g: _x(g["value"])))
-    row("recovery process (2 workers), peak", f"<= {RECOVERY_PROCESS_LIMIT}x",
+    row("recovery process (rewind recover), peak", f"<= {RECOVERY_PROCESS_LIMIT}x",
         judged("recovery_memory", lambda g: _x(g["value"])))
+    row("  replay alone (2 workers), peak", "", rec_mem("peak_extra_bytes_workers_2"))
+    row("trainer's restore(), peak", f"<= {RESTORE_LIMIT}x",
+        judged("restore_memory", lambda g: _x(g["value"])))
+    row("  optimizer not stepped yet (its moments allocated)", "", mem("restore-fresh"))
     row("torch.load process, peak", "", rec_mem("peak_extra_bytes_torch_load"))
     return t
 

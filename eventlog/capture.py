@@ -11,7 +11,7 @@ written before its tensors were flattened, and it loads all the same (no referen
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -20,6 +20,7 @@ import torch
 from eventlog import statecodec, tensorcodec
 from eventlog.errors import StateMismatchError
 from eventlog.fold.engine import RebuiltState
+from eventlog.optimstep import tensor_view
 from eventlog.statecodec import TensorRef
 
 #: The roles whose tensors go to the tensor shards; a recorder adds its ``extra`` and
@@ -149,16 +150,27 @@ def check_model_fits(
 
 
 
-def rebuilt_tensors(state: RebuiltState) -> dict[str, torch.Tensor]:
-    """Every rebuilt tensor as a torch tensor, by log name."""
-    return {
-        name: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape)
-        for shard in state.shards for name, t in shard.tensors.items()
-    }
+def rebuilt_tensors(state: RebuiltState, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """Every rebuilt tensor as a torch tensor, by log name: each owning a copy of its bits,
+    or (``copy=False``) a view of them, valid while ``state`` is and writing into it."""
+    view = tensorcodec.bits_to_tensor if copy else tensor_view
+    return {name: view(t.bits, t.dtype, t.shape)
+            for shard in state.shards for name, t in shard.tensors.items()}
 
 
-def recorded_trees(state: RebuiltState, names: Iterable[str] | None = None) -> dict[str, Any]:
-    """The recorded ``state_dict`` trees by name (tensor roles re-assembled from the shards)."""
+def recorded_trees(state: RebuiltState, names: Iterable[str] | None = None, *,
+                   copy: bool = True) -> dict[str, Any]:
+    """The recorded ``state_dict`` trees by name (tensor roles re-assembled from the shards;
+    ``copy=False``: their tensors are views of the rebuilt bits, see ``rebuilt_tensors``)."""
+    skeletons = recorded_skeletons(state, names)
+    # Tensor roles and buffers hold references into the shards; other small states do not.
+    refs = [n for n, tree in skeletons.items() if holds_refs(tree)]
+    tensors = rebuilt_tensors(state, copy=copy) if refs else {}
+    return {n: unflatten(tree, tensors) if n in refs else tree for n, tree in skeletons.items()}
+
+
+def recorded_skeletons(state: RebuiltState, names: Iterable[str] | None = None) -> dict[str, Any]:
+    """The recorded ``state_dict`` trees by name, with ``TensorRef`` s in place of tensors."""
     wanted = list(state.small.states) if names is None else list(names)
     missing = [n for n in wanted if n not in state.small.states]
     if missing:
@@ -166,34 +178,81 @@ def recorded_trees(state: RebuiltState, names: Iterable[str] | None = None) -> d
             f"run {state.run_id!r} recorded no state for {', '.join(map(repr, missing))} "
             f"(it has: {', '.join(sorted(state.small.states))})"
         )
-    skeletons = {n: statecodec.unpack(state.small.states[n], f"small state {n!r}") for n in wanted}
-    # Tensor roles and buffers hold references into the shards; other small states do not.
-    refs = [n for n, tree in skeletons.items() if holds_refs(tree)]
-    tensors = rebuilt_tensors(state) if refs else {}
-    return {n: unflatten(tree, tensors) if n in refs else tree for n, tree in skeletons.items()}
+    return {n: statecodec.unpack(state.small.states[n], f"small state {n!r}") for n in wanted}
 
 
 def holds_refs(tree: Any) -> bool:
     """True when a state skeleton refers to a tensor recorded in the shards."""
-    if isinstance(tree, TensorRef):
-        return True
-    if isinstance(tree, dict):
-        return any(holds_refs(v) for v in tree.values())
-    if isinstance(tree, list | tuple):
-        return any(holds_refs(v) for v in tree)
-    return False
+    return next(_refs(tree), None) is not None
 
 
 def load_into(objects: Mapping[str, Stateful], state: RebuiltState) -> None:
-    """Load a rebuilt state into live objects; on any mismatch nothing is loaded."""
+    """Load a rebuilt state into live objects; on any mismatch nothing is loaded.
+
+    No copy of the state is made on the way: a tensor a module or an optimizer already
+    holds with the recorded name, dtype and shape (a model's parameters, an optimizer's
+    moments once it has stepped) is written in place; any other becomes a tensor of the
+    object's own. The objects never share memory with ``state``."""
     recorded = {s.name: (s.dtype, tuple(s.shape)) for s in state.layout.tensors}
     for role in TENSOR_ROLES:
         if role in objects:
             check_model_fits(role, objects[role], recorded)
     # Decode and check everything before loading anything: a failed restore changes nothing.
-    trees = recorded_trees(state, objects)
-    for name, tree in trees.items():
+    skeletons = recorded_skeletons(state, objects)
+    for name, tree in skeletons.items():
+        _check_groups(name, objects[name], tree)
+    views = rebuilt_tensors(state, copy=False)
+    for name, tree in skeletons.items():
+        obj = objects[name]
         try:
-            objects[name].load_state_dict(tree)
+            obj.load_state_dict(unflatten(tree, _own_tensors(name, obj, tree, views)))
         except (RuntimeError, KeyError, ValueError, TypeError) as exc:
             raise StateMismatchError(f"cannot load recorded {name!r}: {exc}") from exc
+
+
+def _check_groups(name: str, obj: Stateful, tree: Any) -> None:
+    """An optimizer's recorded param groups must match its own (torch's own check, made
+    before any of its tensors is written in place)."""
+    if not isinstance(obj, torch.optim.Optimizer) or not isinstance(tree, Mapping):
+        return
+    saved = tree.get("param_groups")
+    if not isinstance(saved, list) or [len(g.get("params", ())) for g in saved if isinstance(g, Mapping)] \
+            != [len(g["params"]) for g in obj.param_groups]:
+        raise StateMismatchError(f"cannot load recorded {name!r}: its param groups do not match the "
+                                 "optimizer's (the number of groups or of params in a group differs)")
+
+
+def _own_tensors(name: str, obj: Stateful, tree: Any,
+                 views: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """For each tensor ``tree`` refers to, the tensor ``obj`` loads: its own tensor of that
+    name, dtype and shape with the rebuilt bits copied in (modules and optimizers), or else
+    a copy of the rebuilt bits."""
+    holds_own = isinstance(obj, torch.nn.Module | torch.optim.Optimizer)
+    live = flatten(name, obj.state_dict())[0] if holds_own else {}
+    out: dict[str, torch.Tensor] = {}
+    for ref in _refs(tree):
+        if ref in out:
+            continue
+        src = views.get(ref)
+        if src is None:
+            raise StateMismatchError(f"recorded state lacks tensor {ref!r}")
+        dest = live.get(ref)
+        if dest is not None and dest.dtype == src.dtype and dest.shape == src.shape:
+            with torch.no_grad():
+                dest.copy_(src)
+            out[ref] = dest
+        else:
+            out[ref] = src.clone()
+    return out
+
+
+def _refs(tree: Any) -> Iterator[str]:
+    """The tensor names a skeleton refers to."""
+    if isinstance(tree, TensorRef):
+        yield tree.name
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _refs(v)
+    elif isinstance(tree, list | tuple):
+        for v in tree:
+            yield from _refs(v)

@@ -47,7 +47,7 @@ def export(
     state = full_state(state)
     if fmt == "torch":
         return write_checkpoint(state, report, out)
-    trees = state_dicts(state)
+    trees = state_dicts(state, copy=False)  # (views of the state: written, not kept)
     if "model" not in trees:
         raise RewindError("the run recorded no model: nothing to export as safetensors")
     out.mkdir(parents=True, exist_ok=True)

@@ -76,6 +76,7 @@ def replay(
     settings: Settings | None = None,
     share_torch_threads: bool = False,
     shards: Callable[[RunStarted, SmallStates], Collection[int]] | None = None,
+    written: bool = False,
 ) -> tuple[RebuiltState, ReplayReport]:
     """Rebuild the run's state at ``target`` from the newest good snapshot at or before it
     plus the log tail, verified against the target's seal.
@@ -85,7 +86,8 @@ def replay(
     torch's intra-op threads among the workers while they fold; it changes a process-wide
     setting (restored after), so only a process that owns torch turns it on (the ``rewind``
     CLI does). ``shards``: fold and verify only the shards it chooses (see
-    ``eventlog.fold.engine.rebuild``)."""
+    ``eventlog.fold.engine.rebuild``). ``written``: the caller will write into the state's
+    bits (a recorder keeps them as its base), so no snapshot file is mapped under them."""
     settings = settings or current()
     t0 = time.perf_counter()
     with address.open_log() as log:
@@ -97,7 +99,8 @@ def replay(
         def start_at(checked: bool) -> tuple[FoldStart | None, list[tuple[str, str]]]:
             if store is None:
                 return None, []
-            return newest_valid(store, log, idx, version, workers=workers, checked=checked)
+            return newest_valid(store, log, idx, version, workers=workers, checked=checked,
+                                written=written)
 
         def fold(start: FoldStart | None, batched: bool) -> RebuiltState:
             return rebuild(log, target, workers=workers, on_bytes=on_bytes, idx=idx, start=start,
@@ -212,10 +215,11 @@ Restorer = Callable[[EventLog], tuple[RebuiltState, ReplayReport]]
 
 def restorer(address: RunAddress, workers: int = 2) -> Restorer:
     """The ``Recorder``'s restore: the newest sealed version, from the newest good snapshot
-    plus the log tail (``workers``: shards folded in parallel)."""
+    plus the log tail (``workers``: shards folded in parallel), in bits the recorder keeps
+    and writes into as its base."""
 
     def restore(_log: EventLog) -> tuple[RebuiltState, ReplayReport]:
-        return replay(address, LATEST, workers=workers)
+        return replay(address, LATEST, workers=workers, written=True)
 
     return restore
 
@@ -230,7 +234,7 @@ def write_checkpoint(state: RebuiltState, report: ReplayReport, out: Path) -> li
     rest, and ``recovery.json``. Files are written to a temp name and renamed."""
     out.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, tree in state_dicts(state).items():
+    for name, tree in state_dicts(state, copy=False).items():  # (views: written, not kept)
         if name in TENSOR_ROLES or any(t.name.startswith(f"{name}/") for t in state.layout.tensors):
             path = out / f"{name}.pt"
             _atomic(path, functools.partial(_save_tree, tree))

@@ -236,8 +236,8 @@ class RankCommit:
         if distributed.recorded_world(state) == g.world:
             mine = set(self.owned)
             base.specs = tuple(s for s in state.layout.tensors if s.shard in mine)
-            base.bits = {n: t.bits.copy() for s in state.shards if s.shard in mine
-                         for n, t in s.tensors.items()}
+            # The rebuilt bits themselves: the objects were loaded with copies of them.
+            base.bits = {n: t.bits for s in state.shards if s.shard in mine for n, t in s.tensors.items()}
         else:
             # Resharded: the shards this rank now owns held other ranks' tensors, so its
             # first commit writes every tensor in full (the new layout drops the old names).
@@ -250,7 +250,7 @@ class RankCommit:
         world size, else all of it (or what the recorder's own restore hook rebuilds)."""
         if self._restorer is not None:
             return self._restorer(self._pipe.log)
-        return replay(self._address, LATEST, workers=2, shards=self._shards_to_fold)
+        return replay(self._address, LATEST, workers=2, shards=self._shards_to_fold, written=True)
 
     def _shards_to_fold(self, layout: RunStarted, small: SmallStates) -> Collection[int]:
         """This rank's own shards if the version was recorded at this world size (its shards

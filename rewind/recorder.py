@@ -24,7 +24,6 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
 import torch
 
 from eventlog import intraop, statecodec, tensorcodec
@@ -303,10 +302,10 @@ class Recorder:
                             f"({self._log.shard_count()})")
         if self._steps is not None:
             self._steps.take()  # steps taken before the restore led to another state
-        # The restored state becomes the XOR base of the next commit (in host buffers, as
-        # the bases commits keep: not in the heap below the trainer's allocations).
+        # The rebuilt bits become the XOR base of the next commit themselves: the objects
+        # were loaded with copies (``load_into``), so nothing else writes into them.
         base = self._pipe.base
-        base.bits = {n: _host_copy(t.bits) for s in state.shards for n, t in s.tensors.items()}
+        base.bits = {n: t.bits for s in state.shards for n, t in s.tensors.items()}
         base.chunk_digests = {}
         base.specs, base.layout = state.layout.tensors, state.layout
         # Chunk boundaries are part of the digests: keep the run's, whatever this process set.
@@ -321,14 +320,16 @@ class Recorder:
         self._coord.raise_gsn_floor(self.run_id, base.last_gsn)
         fingerprint.log_resume(self._pipe, state, report)
         result = _restored(state, report, t0)
-        del state  # (the replayed copy, before the staging buffers are allocated)
-        self._stage_ahead(sets=1)  # the restored state is the base already
+        # The restored state is the base already: one staging set, faulted in on a thread of
+        # its own while training resumes (the first commit waits for it if it must).
+        self._stage_ahead(sets=1, background=True)
         return result
 
-    def _stage_ahead(self, sets: int) -> None:
-        """Pay here, at restore(), for the staging buffers the first commits copy into, so
-        that no commit() faults fresh memory in on the training thread: the objects' tensors,
-        and the moments that a first Adam step will create."""
+    def _stage_ahead(self, sets: int, *, background: bool = False) -> None:
+        """Pay here, at restore() (``background``: on a thread of its own, started here), for
+        the staging buffers the first commits copy into, so that no commit() faults fresh
+        memory in on the training thread: the objects' tensors, and the moments that a first
+        Adam step will create."""
         tensors, _ = self._capture()
         sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
         if isinstance(self._plan, predictive_codec.StepPlan) and self._plan.optimizer in ("Adam", "AdamW"):
@@ -336,7 +337,7 @@ class Recorder:
                 for key in ("exp_avg", "exp_avg_sq"):
                     if param in sizes:
                         sizes.setdefault(f"{predictive_codec.state_prefix(i)}/{key}", sizes[param])
-        self._pipe.add_staging(sizes, sets)
+        self._pipe.add_staging(sizes, sets, background=background)
 
     def close(self) -> None:
         """Write every queued commit, then release threads and connections."""
@@ -556,13 +557,6 @@ def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool,
                 raise ConfigError(f"{kind} state {name!r} has no state_dict/load_state_dict")
             objects[name] = obj
     return objects
-
-
-def _host_copy(bits: np.ndarray) -> np.ndarray:
-    """``bits`` copied into a ``tensorcodec.host_buffer``."""
-    out = tensorcodec.host_buffer(len(bits))
-    out[:] = bits
-    return out
 
 
 def _weights_config(weights: WeightsConfig | str | torch.dtype | None, group: object) -> WeightsConfig | None:

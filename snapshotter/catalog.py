@@ -232,12 +232,13 @@ def load_start(
 
 def newest_valid(
     store: SnapshotStore, log: EventLog, idx: ControlIndex, max_version: int, *, workers: int = 2,
-    checked: bool = True,
+    checked: bool = True, written: bool = False,
 ) -> tuple[FoldStart | None, list[tuple[str, str]]]:
     """The newest snapshot at or before ``max_version`` that verifies, and why newer ones
     were passed over (``[(snapshot_id, reason)]``: damage, or ``absence``'s reason, which
     begins with ``DELETED_BY_RETENTION`` for one retention deleted; ``checked``: see
-    ``load_start``)."""
+    ``load_start``; ``written``: the caller writes into the state, so its files are read,
+    never mapped)."""
     passed: list[tuple[str, str]] = []
     complete = [m for m in markers(idx).values() if m.end is not None and m.version <= max_version]
     for marker in sorted(complete, key=lambda m: m.version, reverse=True):
@@ -247,7 +248,7 @@ def newest_valid(
             continue
         try:
             # A snapshot of the target itself is only read: map it instead of copying it.
-            mapped = current().snapshot_map and marker.version == max_version
+            mapped = current().snapshot_map and marker.version == max_version and not written
             return load_start(store, log, idx, marker, workers=workers, mapped=mapped,
                               checked=checked), passed
         except RewindError as exc:

@@ -24,7 +24,7 @@ from eventlog import (
     TruncatedHistoryError,
     statecodec,
 )
-from eventlog.capture import INLINE_TENSOR_BYTES, flatten
+from eventlog.capture import INLINE_TENSOR_BYTES, flatten, rebuilt_tensors
 from eventlog.fold.engine import index_control, rebuild
 from eventlog.statecodec import TensorRef
 from replayer.replay import replay
@@ -301,6 +301,45 @@ def test_restore_starts_from_the_newest_snapshot_and_replays_only_the_tail(tmp_p
                                                 + from_snapshot.skipped_unsealed)
     assert 0 < result.applied < whole.applied
     assert result.state_digest == whole.state_digest
+
+
+@pytest.mark.parametrize("stepped", [True, False], ids=["moments-exist", "fresh-optimizer"])
+def test_restore_writes_into_the_objects_own_tensors_and_keeps_its_base_apart(
+    tmp_path: Path, stepped: bool,
+) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = torch.optim.Adam(model.parameters())
+    with Recorder(_address(tmp_path), model, opt) as rec:
+        for step in range(3):
+            _train(model, opt)
+            rec.commit(step, wait=True)
+    torch.manual_seed(1)
+    live = torch.nn.Linear(8, 4)
+    live_opt = torch.optim.Adam(live.parameters())
+    if stepped:
+        _train(live, live_opt)
+    weight, moment = live.weight, live_opt.state.get(live.weight, {}).get("exp_avg")
+    pointer = weight.data_ptr()
+    with Recorder(_address(tmp_path), live, live_opt) as rec:
+        assert rec.restore().version == 3
+        # In place: the same parameter, over the same memory, holds the recorded bits.
+        assert live.weight is weight and live.weight.data_ptr() == pointer
+        assert torch.equal(live.weight, model.weight)
+        restored = live_opt.state[live.weight]["exp_avg"]
+        assert torch.equal(restored, opt.state[model.weight]["exp_avg"])
+        assert (restored is moment) == stepped  # a moment that existed is written in place
+        # The objects share no memory with the recorder's base: training on from here and
+        # committing gives the same version 4 as the uninterrupted run.
+        for m, o in ((model, opt), (live, live_opt)):
+            torch.manual_seed(7)
+            _train(m, o)
+        rec.commit(3, wait=True)
+    state, _ = replay(_address(tmp_path))
+    assert state.version == 4
+    replayed = {n: t for n, t in rebuilt_tensors(state).items() if n.startswith("model/")}
+    assert torch.equal(replayed["model/weight"], model.weight.detach())
+    assert torch.equal(replayed["model/bias"], model.bias.detach())
 
 
 def test_the_recorder_takes_snapshots_that_every_reader_finds(address: RunAddress, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,7 +54,10 @@ from eventlog.optimstep import CapturedStep
 from eventlog.ports import Coordinator, EventLog
 from eventlog.settings import Settings
 from eventlog.version import REWIND_VERSION
+from eventlog.waits import warned_wait
 from schemas import SCHEMA_VERSION
+
+_log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 #: The event type of each small state, by its role; every other small state is ``CustomState``.
@@ -109,6 +113,7 @@ class CommitPipeline:
         # first), so a trainer that waits for each commit only ever has two sets of buffers.
         self._spare: list[dict[str, np.ndarray]] = []
         self._spare_lock = threading.Lock()
+        self._ahead: threading.Thread | None = None  # allocating staging sets (``add_staging``)
 
     # ------------------------------------------------------------------ versions and gsns
     def allocate_gsns(self, count: int) -> int:
@@ -162,15 +167,36 @@ class CommitPipeline:
 
     # ------------------------------------------------------------------ the base
     def staging(self) -> dict[str, np.ndarray]:
-        """Buffers to stage the next commit into: a replaced base's, or a new empty set."""
+        """Buffers to stage the next commit into: a replaced base's, or a new empty set
+        (after the sets ``add_staging`` is still allocating are ready)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            with warned_wait("the staging buffers allocated at restore() to be ready", _log):
+                ahead.join()
         with self._spare_lock:
             return self._spare.pop() if self._spare else {}
 
-    def add_staging(self, sizes: Mapping[str, int], sets: int) -> None:
+    def add_staging(self, sizes: Mapping[str, int], sets: int, *, background: bool = False) -> None:
         """Allocate ``sets`` staging sets of buffers sized ``sizes`` (bytes by tensor name)
         and touch every page, so that the first commits copy into memory that is already
-        there instead of faulting it in on the training thread. Sets already spare count: a
+        there instead of faulting it in on the training thread (``background``: on a thread
+        started here, which the next ``staging()`` waits for). Sets already spare count: a
         second call adds none."""
+        if background:
+            self._ahead = threading.Thread(target=self._add_staging_or_warn, args=(sizes, sets),
+                                           name="rewind-stage-ahead", daemon=True)
+            self._ahead.start()
+        else:
+            self._add_staging(sizes, sets)
+
+    def _add_staging_or_warn(self, sizes: Mapping[str, int], sets: int) -> None:
+        try:
+            self._add_staging(sizes, sets)
+        except Exception as exc:  # noqa: BLE001 - the commits allocate what is missing
+            _log.warning("staging buffers could not be allocated ahead (%s: %s); the first commits "
+                         "allocate their own", type(exc).__name__, exc)
+
+    def _add_staging(self, sizes: Mapping[str, int], sets: int) -> None:
         with self._spare_lock:
             sets -= len(self._spare)
         for _ in range(sets):
