@@ -9,7 +9,8 @@ soon as the fold has applied it. They stay in the kernel's page cache, so a late
 them again without a disk read; the state the fold builds is unaffected, since nothing is
 ever written through these maps.
 
-Only maps registered with ``track`` are released: ``MADV_DONTNEED`` would zero the pages of
+Snapshot files a replay maps are tracked too, so that a caller can tell their bits from its
+own (``of_file``). Only maps registered with ``track`` are released: ``MADV_DONTNEED`` would zero the pages of
 an anonymous map, so a view of any other buffer is left alone.
 """
 
@@ -43,6 +44,21 @@ def _forget(key: int, ref: weakref.ref[mmap.mmap]) -> None:
     with _lock:
         if key in _maps and _maps[key][0] is ref:
             del _maps[key]
+
+
+def of_file(bits: np.ndarray) -> bool:
+    """Whether ``bits`` are a view of a tracked map of a file (not memory of their own)."""
+    owner: object = bits
+    while isinstance(owner, np.ndarray | memoryview):
+        owner = owner.base if isinstance(owner, np.ndarray) else owner.obj
+    with _lock:
+        entry = _maps.get(id(owner))
+    return entry is not None and entry[0]() is owner
+
+
+def owned(bits: np.ndarray) -> np.ndarray:
+    """``bits``, or a copy of them in fresh memory where they are a view of a file's map."""
+    return bits.copy() if of_file(bits) else bits
 
 
 def release(view: object) -> None:

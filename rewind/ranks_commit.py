@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from eventlog import predictive, tensorcodec
+from eventlog import filemaps, predictive, tensorcodec
 from eventlog.backends import RunAddress
 from eventlog.capture import Stateful
 from eventlog.commit.pipeline import CommitPipeline
@@ -236,8 +236,11 @@ class RankCommit:
         if distributed.recorded_world(state) == g.world:
             mine = set(self.owned)
             base.specs = tuple(s for s in state.layout.tensors if s.shard in mine)
-            # The rebuilt bits themselves: the objects were loaded with copies of them.
-            base.bits = {n: t.bits for s in state.shards if s.shard in mine for n, t in s.tensors.items()}
+            # The rebuilt bits themselves (the objects were loaded with copies of them), but
+            # a copy of bits still in a snapshot file's map: its pages would be copied one
+            # fault at a time by the first commit that stages into them.
+            base.bits = {n: filemaps.owned(t.bits) for s in state.shards if s.shard in mine
+                         for n, t in s.tensors.items()}
         else:
             # Resharded: the shards this rank now owns held other ranks' tensors, so its
             # first commit writes every tensor in full (the new layout drops the old names).
@@ -250,7 +253,7 @@ class RankCommit:
         world size, else all of it (or what the recorder's own restore hook rebuilds)."""
         if self._restorer is not None:
             return self._restorer(self._pipe.log)
-        return replay(self._address, LATEST, workers=2, shards=self._shards_to_fold, written=True)
+        return replay(self._address, LATEST, workers=2, shards=self._shards_to_fold)
 
     def _shards_to_fold(self, layout: RunStarted, small: SmallStates) -> Collection[int]:
         """This rank's own shards if the version was recorded at this world size (its shards

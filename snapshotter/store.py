@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import xxhash
 
-from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto
+from eventlog import ConfigError, CorruptMessageError, DecodeError, RewindError, crypto, filemaps
 from eventlog.durability import fsync_dir
 from eventlog.fold.apply import ShardState
 from eventlog.fold.bits import TensorBits
@@ -430,7 +430,9 @@ class SnapshotStore:
                         f"{entry.bytes} (truncated?)"
                     )
                 if mapped and key_id is None and size:
-                    buf = np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY), dtype=np.uint8)
+                    region = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+                    filemaps.track(region)  # (its bits are the file's: ``filemaps.of_file``)
+                    buf = np.frombuffer(region, dtype=np.uint8)
                     return self._verified(buf, snapshot_id, path, entry) if checked else buf
                 head = os.pread(f.fileno(), 8, 0)
                 hlen = int.from_bytes(head, "little") if len(head) == 8 and key_id is None else 0
