@@ -199,9 +199,12 @@ def load_into(objects: Mapping[str, Stateful], state: RebuiltState) -> None:
             check_model_fits(role, objects[role], recorded)
     # Decode and check everything before loading anything: a failed restore changes nothing.
     skeletons = recorded_skeletons(state, objects)
+    views = rebuilt_tensors(state, copy=False)
     for name, tree in skeletons.items():
         _check_groups(name, objects[name], tree)
-    views = rebuilt_tensors(state, copy=False)
+        lacking = next((ref for ref in _refs(tree) if ref not in views), None)
+        if lacking is not None:
+            raise StateMismatchError(f"recorded state lacks tensor {lacking!r}")
     for name, tree in skeletons.items():
         obj = objects[name]
         try:
@@ -233,10 +236,7 @@ def _own_tensors(name: str, obj: Stateful, tree: Any,
     for ref in _refs(tree):
         if ref in out:
             continue
-        src = views.get(ref)
-        if src is None:
-            raise StateMismatchError(f"recorded state lacks tensor {ref!r}")
-        dest = live.get(ref)
+        src, dest = views[ref], live.get(ref)
         if dest is not None and dest.dtype == src.dtype and dest.shape == src.shape:
             with torch.no_grad():
                 dest.copy_(src)
