@@ -358,12 +358,10 @@ def _run_unit(unit: list[_Tile], steps: list[PendingStep], states: list[dict[str
             raise
         except Exception as exc:  # recorded (untrusted) values drive torch's optimizer code
             raise optimstep.describe_failure(step.body, step.version, step.where, exc) from exc
+        for tile in members:  # no other step or unit reads these gradient bytes
+            _release(step.grads[tile.param], tile)
     for (name, _), value in copies.items():
         finals[name] = value  # every tile of a param counts the same steps
-    for step in steps:  # no later unit reads these gradient bytes again
-        for tile in unit:
-            if (grad := step.grads.get(tile.param)) is not None:
-                _release(grad, tile)
 
 
 def _release(grad: GradChunks, tile: _Tile) -> None:
