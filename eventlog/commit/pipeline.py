@@ -169,12 +169,16 @@ class CommitPipeline:
     def staging(self) -> dict[str, np.ndarray]:
         """Buffers to stage the next commit into: a replaced base's, or a new empty set
         (after the sets ``add_staging`` is still allocating are ready)."""
+        self._wait_ahead()
+        with self._spare_lock:
+            return self._spare.pop() if self._spare else {}
+
+    def _wait_ahead(self) -> None:
+        """Wait for the staging sets a thread of ``add_staging`` is allocating."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             with warned_wait("the staging buffers allocated at restore() to be ready", _log):
                 ahead.join()
-        with self._spare_lock:
-            return self._spare.pop() if self._spare else {}
 
     def add_staging(self, sizes: Mapping[str, int], sets: int, *, background: bool = False) -> None:
         """Allocate ``sets`` staging sets of buffers sized ``sizes`` (bytes by tensor name)
@@ -182,6 +186,7 @@ class CommitPipeline:
         there instead of faulting it in on the training thread (``background``: on a thread
         started here, which the next ``staging()`` waits for). Sets already spare count: a
         second call adds none."""
+        self._wait_ahead()  # (a second call counts the sets the first one allocated)
         if background:
             self._ahead = threading.Thread(target=self._add_staging_or_warn, args=(sizes, sets),
                                            name="rewind-stage-ahead", daemon=True)
