@@ -4,7 +4,8 @@ Each size runs in fresh processes, one after the other, so that no size inherits
 allocated: ``python -m benchmarks --size S --only commit_blocking_s,commit_throughput_mb_s,
 recovery_s`` (its replays, loads and snapshotter in processes of their own), then the
 recorder's memory runs of ``benchmarks.memory`` (each codec with snapshots on, and
-``clone()`` staging). The table has one column per size and judges each target per size.
+``clone()`` staging), then a weights follower's first sync (``benchmarks.weights``). The
+table has one column per size and judges each target per size.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .memory import RESTORE_TARGET, recorder_runs
 from .memory import TARGET as MEMORY_LIMIT
 from .model import parse_size
 from .scenarios import RECOVERY_LIMIT
+from .weights import FOLLOWER_LIMIT, follower_memory
 
 #: The scenarios each size runs.
 CORE = ("commit_blocking_s", "commit_throughput_mb_s", "recovery_s")
@@ -92,6 +94,13 @@ def run_size(size: str, args: argparse.Namespace, log: Callable[[str], None]) ->
         log(f"  {key}: " + (row["error"] if "error" in row else
                             f"peak {row['peak']:.2f}x, after {MEMORY_COMMITS} commits "
                             f"{row['rss_after_last']:.2f}x the state"))
+    log(f"== {size}: a weights follower's first sync (bf16, embedded, a fresh process)")
+    try:
+        out["follower"] = follower_memory(parse_size(size))
+        log(f"  follower: peak {out['follower']['peak_ratio']:.2f}x its bf16 model")
+    except (RuntimeError, subprocess.SubprocessError) as exc:
+        out["follower"] = {"error": str(exc)[-500:]}
+        log(f"  follower: {out['follower']['error']}")
     out["targets"] = judge(out)
     return out
 
@@ -141,6 +150,8 @@ def judge(size: dict[str, Any]) -> dict[str, Any]:
         row = size.get("memory", {}).get(codec, {})
         out[f"recorder_memory_{codec}"] = _target(row.get("peak"), "<=", MEMORY_LIMIT,
                                                   f"{codec} + snapshots, peak <= {MEMORY_LIMIT} x state")
+    out["follower_memory"] = _target(size.get("follower", {}).get("peak_ratio"), "<=", FOLLOWER_LIMIT,
+                                     f"weights follower's first sync, peak <= {FOLLOWER_LIMIT} x bf16 model")
     restore = size.get("memory", {}).get("restore", {})
     out["restore_memory"] = _target(restore.get("peak"), "<=", RESTORE_LIMIT,
                                     f"trainer's restore(), peak <= {RESTORE_LIMIT} x state")
@@ -252,6 +263,8 @@ def table(results: dict[str, Any]) -> Table:
         judged("restore_memory", lambda g: _x(g["value"])))
     row("  optimizer not stepped yet (its moments allocated)", "", mem("restore-fresh"))
     row("torch.load process, peak", "", rec_mem("peak_extra_bytes_torch_load"))
+    row("weights follower's first sync, peak (x bf16 model)", f"<= {FOLLOWER_LIMIT}x",
+        judged("follower_memory", lambda g: _x(g["value"])))
     return t
 
 
