@@ -201,7 +201,7 @@ def load_into(objects: Mapping[str, Stateful], state: RebuiltState) -> None:
     skeletons = recorded_skeletons(state, objects)
     views = rebuilt_tensors(state, copy=False)
     for name, tree in skeletons.items():
-        _check_groups(name, objects[name], tree)
+        check_groups(name, objects[name], tree)
         lacking = next((ref for ref in _refs(tree) if ref not in views), None)
         if lacking is not None:
             raise StateMismatchError(f"recorded state lacks tensor {lacking!r}")
@@ -213,7 +213,7 @@ def load_into(objects: Mapping[str, Stateful], state: RebuiltState) -> None:
             raise StateMismatchError(f"cannot load recorded {name!r}: {exc}") from exc
 
 
-def _check_groups(name: str, obj: Stateful, tree: Any) -> None:
+def check_groups(name: str, obj: Stateful, tree: Any) -> None:
     """An optimizer's recorded param groups must match its own (torch's own check, made
     before any of its tensors is written in place)."""
     if not isinstance(obj, torch.optim.Optimizer) or not isinstance(tree, Mapping):

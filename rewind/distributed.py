@@ -39,7 +39,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from eventlog import optimstep, statecodec, tensorcodec
-from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, Stateful, stays_inline, unflatten
+from eventlog.capture import (
+    INLINE_TENSOR_BYTES,
+    TENSOR_ROLES,
+    Stateful,
+    check_groups,
+    stays_inline,
+    unflatten,
+)
 from eventlog.digests import chunk_digests, shard_digest, tensor_digest
 from eventlog.errors import DecodeError, RewindError, StateMismatchError
 from eventlog.events import Envelope, TensorSpec
@@ -368,7 +375,12 @@ def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, 
     only this rank's shards, ``replicated`` the replicated tensors rank 0's shards hold); at
     another, its DTensors' local shards are cut from the full tensors (``replayer.assemble``)
     with the recorded placements, and its other states are recorded rank
-    ``source_rank(rank)``'s."""
+    ``source_rank(rank)``'s.
+
+    At the recorded world size, a tensor the model or the optimizer already holds at the
+    recorded place, with its dtype, shape and placements (the parameters, the moments of an
+    optimizer that has stepped), is written in place, as ``dcp.load`` does, once every check
+    has passed; the tree then holds that very tensor, so ``load_state_dict`` copies nothing."""
     states = state.small.states
     bits = {**(replicated or {}), **{n: t for s in state.shards for n, t in s.tensors.items()}}
     recorded = recorded_world(state)
@@ -386,18 +398,22 @@ def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, 
     wanted: set[str] = set()
     for tree in skeletons.values():
         assemble.collect_refs(tree, wanted)
-    local = {n: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape) for n, t in bits.items()
-             if n in wanted or (recorded != world and assemble.rank_of(n) is not None)}
-    lacking = sorted(wanted - local.keys())
+    lacking = sorted(wanted - bits.keys())
     if lacking:
         raise StateMismatchError(f"run {state.run_id!r}: rank {rank} restores tensors its rebuilt part "
                                  f"lacks: {', '.join(map(repr, lacking[:3]))}")
-    tensors = {n: local[n] for n in wanted}
+    in_place = _in_place(objects, skeletons, bits, layouts[src]) if recorded == world else {}
+    needed = {n for n in bits if n in wanted or (recorded != world and assemble.rank_of(n) is not None)}
+    local = {n: tensorcodec.bits_to_tensor(t.bits, t.dtype, t.shape) for n, t in bits.items()
+             if n in needed and n not in in_place}
+    tensors = {n: local[n] for n in wanted if n not in in_place}
     meshes = _live_meshes(objects)
     for name, placed in layouts[src].items():
         if name not in wanted:
             continue
         mesh = _mesh_for(placed, meshes, name, same_world=recorded == world)
+        if name in in_place:
+            continue
         part = local[name]
         if recorded != world and placed.sharded:
             full = assemble.assemble(name.removeprefix(prefix), recorded, layouts, local)
@@ -406,7 +422,58 @@ def rank_trees(objects: Mapping[str, Stateful], state: RebuiltState, rank: int, 
         placements = tuple(_placement_of(p, f"layout of recorded tensor {name!r}") for p in placed.placements)
         tensors[name] = DTensor.from_local(part, mesh, placements, run_check=False,
                                            shape=torch.Size(placed.shape), stride=placed.stride)
+    for name, tree in skeletons.items():
+        check_groups(name, objects[name], tree)
+    with torch.no_grad():  # every check has passed: write in place
+        for name, dest in in_place.items():
+            t = bits[name]
+            local_dest = dest.to_local() if isinstance(dest, DTensor) else dest
+            local_dest.copy_(optimstep.tensor_view(t.bits, t.dtype, tuple(t.shape)))
+            tensors[name] = dest
     return {n: unflatten(tree, tensors) for n, tree in skeletons.items()}
+
+
+def _in_place(objects: Mapping[str, Stateful], skeletons: Mapping[str, Any], bits: Mapping[str, TensorBits],
+              layout: Mapping[str, assemble.Placed]) -> dict[str, torch.Tensor]:
+    """The live tensors (by recorded name) that can take their recorded bits in place: held
+    by a module or an optimizer where its recorded tree refers to that name, with the
+    recorded dtype and local shape, and (a DTensor) the recorded global shape, mesh shape
+    and placements."""
+    out: dict[str, torch.Tensor] = {}
+
+    def walk(skeleton: Any, live: Any) -> None:
+        if isinstance(skeleton, TensorRef):
+            if isinstance(live, torch.Tensor) and skeleton.name in bits and skeleton.name not in out \
+                    and _fits(live, bits[skeleton.name], layout.get(skeleton.name)):
+                out[skeleton.name] = live
+        elif isinstance(skeleton, Mapping) and isinstance(live, Mapping):
+            for key, value in skeleton.items():
+                if key in live:
+                    walk(value, live[key])
+        elif isinstance(skeleton, list | tuple) and isinstance(live, list | tuple) \
+                and len(skeleton) == len(live):
+            for a, b in zip(skeleton, live, strict=True):
+                walk(a, b)
+
+    for name, tree in skeletons.items():
+        obj = objects[name]
+        if isinstance(obj, torch.nn.Module | torch.optim.Optimizer):
+            walk(tree, obj.state_dict())
+    return out
+
+
+def _fits(live: torch.Tensor, t: TensorBits, placed: assemble.Placed | None) -> bool:
+    """Whether ``live`` can take the recorded bits ``t`` in place."""
+    if isinstance(live, DTensor):
+        if placed is None or tuple(live.shape) != tuple(placed.shape) \
+                or tuple(live.device_mesh.shape) != tuple(placed.mesh) \
+                or tuple(_placement_name(p) for p in live.placements) != tuple(placed.placements):
+            return False
+        live = live.to_local()
+    elif placed is not None:
+        return False
+    return (live.dtype == tensorcodec.torch_dtype(t.dtype) and tuple(live.shape) == tuple(t.shape)
+            and live.is_contiguous())
 
 
 def _mesh_for(placed: assemble.Placed, meshes: Sequence[DeviceMesh], name: str,

@@ -302,6 +302,8 @@ def train(cfg: dict[str, Any]) -> None:
             # same call on both: a drifting job waits, so every rank raises it at this commit.
             rec.commit(step, {"loss": loss.item()}, wait=bool(cfg["perturb"]))
         rec.flush()
+        if cfg.get("restore_again"):
+            restore_again(rec, model, optimizer, out / f"again-rank{rank}.json")
     except rewind.RewindError as exc:
         (out / f"error-rank{rank}.txt").write_text(str(exc))
         # The agent stops every worker once one exits failed: none exits before all have written.
@@ -319,6 +321,28 @@ def train(cfg: dict[str, Any]) -> None:
     dist.barrier()
     dist.destroy_process_group()
     faulthandler.cancel_dump_traceback_later()
+
+
+def _locals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The local tensors of the parameters and of the optimizer's tensor states."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if isinstance(t, DTensor) else t
+    return [local(p) for p in model.parameters()] + [
+        local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+def restore_again(rec: rewind.Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                  path: Path) -> None:
+    """Scribble over the trained state, ``restore()`` the last version into the same objects,
+    and write whether every parameter and moment kept its storage and got its bits back."""
+    before = full_tensors(model, optimizer)
+    ptrs = [t.data_ptr() for t in _locals(model, optimizer)]
+    with torch.no_grad():
+        for t in _locals(model, optimizer):
+            t.add_(1)
+    rec.restore()
+    path.write_text(json.dumps({"same_storage": [t.data_ptr() for t in _locals(model, optimizer)] == ptrs,
+                                "equal": full_tensors(model, optimizer) == before}))
 
 
 def _free_port() -> int:

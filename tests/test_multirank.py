@@ -280,6 +280,19 @@ def test_recorded_at_4_ranks_restores_at_3_that_does_not_divide_its_shards(jobs:
     assert sorted({s.shard for s in state.layout.tensors if s.name.startswith("rank1/")}) == [2, 3, 4]
 
 
+def test_a_restore_writes_into_the_ranks_own_parameters_and_moments(tmp_path: Path,
+                                                                  pytestconfig: pytest.Config) -> None:
+    """Once its optimizer has stepped, a rank restores as ``dcp.load`` does: every local
+    parameter and moment keeps its storage and gets the recorded bits back, bit-equal."""
+    jobs = Jobs(tmp_path, pytestconfig)
+    (tmp_path / "t").mkdir()
+    jobs.add("again", make_address("embedded", tmp_path / "t", "t"), restore_again=True)
+    jobs.run()
+    jobs.ok("again")
+    got = [json.loads((jobs.out("again") / f"again-rank{r}.json").read_text()) for r in range(2)]
+    assert got == [{"same_storage": True, "equal": True}] * 2
+
+
 def test_a_3_shard_run_restores_at_2_ranks_bit_equal(tmp_path: Path, pytestconfig: pytest.Config) -> None:
     """Any world size up to the run's shard count restores, not only one that divides it: a
     run of 3 shards (3 ranks of ``shards=1``) restores at 2 ranks, every full tensor bit-equal
