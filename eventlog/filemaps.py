@@ -23,6 +23,8 @@ import weakref
 
 import numpy as np
 
+from eventlog import tensorcodec
+
 _PAGE = mmap.PAGESIZE
 #: id of a tracked map -> (a weak reference to it, the address it starts at). A view keeps
 #: its map alive, so the id of a view's map names that map while the view exists.
@@ -57,8 +59,13 @@ def of_file(bits: np.ndarray) -> bool:
 
 
 def owned(bits: np.ndarray) -> np.ndarray:
-    """``bits``, or a copy of them in fresh memory where they are a view of a file's map."""
-    return bits.copy() if of_file(bits) else bits
+    """``bits``, or a copy of them in memory of their own where they are a view of a file's
+    map (a host buffer: a large copy is kept across commits as a base)."""
+    if not of_file(bits):
+        return bits
+    out = tensorcodec.host_buffer(bits.nbytes).view(bits.dtype).reshape(bits.shape)
+    np.copyto(out, bits)
+    return out
 
 
 def release(view: object) -> None:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from eventlog import filemaps, predictive, tensorcodec
+from eventlog import predictive, tensorcodec
 from eventlog.backends import RunAddress
 from eventlog.capture import Stateful
 from eventlog.commit.pipeline import CommitPipeline
@@ -236,11 +236,10 @@ class RankCommit:
         if distributed.recorded_world(state) == g.world:
             mine = set(self.owned)
             base.specs = tuple(s for s in state.layout.tensors if s.shard in mine)
-            # The rebuilt bits themselves (the objects were loaded with copies of them), but
-            # a copy of bits still in a snapshot file's map: its pages would be copied one
-            # fault at a time by the first commit that stages into them.
-            base.bits = {n: filemaps.owned(t.bits) for s in state.shards if s.shard in mine
-                         for n, t in s.tensors.items()}
+            # The rebuilt bits themselves (the objects hold copies of them or were written
+            # from them); bits still in a snapshot file's map are copied into bits of the
+            # base's own on the staging thread ``Recorder`` starts next (``add_staging``).
+            base.bits = {n: t.bits for s in state.shards if s.shard in mine for n, t in s.tensors.items()}
         else:
             # Resharded: the shards this rank now owns held other ranks' tensors, so its
             # first commit writes every tensor in full (the new layout drops the old names).

@@ -221,13 +221,7 @@ class Recorder:
             holder = f"{self.writer_id}.snapshotter"
             self._snapshotter = (self._snapshots.committed(self.address, holder) if self._group is None
                                  else self._snapshots.start(self.address, holder))
-        replicated: frozenset[str] = frozenset()
-        if self._group is None:
-            tensors, small = self._capture()
-        else:
-            part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world,
-                                       inline=self._inline_roles)
-            tensors, small, replicated = part.tensors, part.small, frozenset(part.replicated)
+        tensors, small, replicated = self._capture_part()
         layout = {n: (tensorcodec.dtype_name(t.dtype), tuple(t.shape)) for n, t in tensors.items()}
         with warned_wait(lambda: f"a free slot to stage the commit of step {step} of run {self.run_id!r} "
                          f"(every slot holds a commit in flight); the committer is {self._busy}", _logger):
@@ -264,7 +258,9 @@ class Recorder:
         return job.future
 
     def flush(self) -> None:
-        """Wait until every queued commit is durable (raises the first failure)."""
+        """Wait until every queued commit is durable (raises the first failure), and until the
+        buffers the last ``restore()`` prepares on a thread of its own are ready."""
+        self._pipe.wait_ahead()
         done: Future[CommitResult] = Future()
         marker = StagedCommit(-1, {}, None, {}, {}, {}, done, flush_only=True)
         self._jobs.put(marker)
@@ -331,7 +327,7 @@ class Recorder:
         the staging buffers the first commits copy into, so that no commit() faults fresh
         memory in on the training thread: the objects' tensors, and the moments that a first
         Adam step will create."""
-        tensors, _ = self._capture()
+        tensors = self._capture_part()[0]
         sizes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
         if isinstance(self._plan, predictive_codec.StepPlan) and self._plan.optimizer in ("Adam", "AdamW"):
             for i, param in enumerate(self._plan.params):
@@ -381,6 +377,15 @@ class Recorder:
                 f"recorder stopped after a failed commit ({type(self._failure).__name__}: "
                 f"{self._failure}); create a new Recorder and restore()"
             ) from self._failure
+
+    def _capture_part(self) -> tuple[dict[str, torch.Tensor], dict[str, bytes], frozenset[str]]:
+        """What a commit stages: this process's tensors (a rank's local shards), small states,
+        and the names of the tensors every rank holds alike (replicated)."""
+        if self._group is None:
+            return *self._capture(), frozenset()
+        part = distributed.capture(self._objects, self._tensor_roles, self._group.rank, self._group.world,
+                                   inline=self._inline_roles)
+        return part.tensors, part.small, frozenset(part.replicated)
 
     def _capture(self) -> tuple[dict[str, torch.Tensor], dict[str, bytes]]:
         tensors: dict[str, torch.Tensor] = {}
@@ -532,7 +537,11 @@ class Recorder:
         restored = self._ranks.restore()
         if restored is None:
             return RestoreResult(step=None, version=0, seconds=time.perf_counter() - t0)
-        return _restored(*restored, t0)
+        result = _restored(*restored, t0)
+        # As in one process: one staging set, faulted in on a thread while training resumes;
+        # the same thread first copies base bits still in the snapshot's map (``_load``).
+        self._stage_ahead(sets=1, background=True)
+        return result
 
 
 def _stateful_objects(roles: tuple[Stateful | None, ...], rng: bool,

@@ -73,6 +73,8 @@ from eventlog.commit.append import EventAppender
 from eventlog.commit.pipeline import CommitPipeline
 from eventlog.fold.engine import events, index_control
 from rewind import distributed as rdist
+from snapshotter.service import Snapshotter, SnapshotterConfig
+from snapshotter.store import SnapshotStore
 
 IN, OUT = 8, 4
 
@@ -303,7 +305,13 @@ def train(cfg: dict[str, Any]) -> None:
             rec.commit(step, {"loss": loss.item()}, wait=bool(cfg["perturb"]))
         rec.flush()
         if cfg.get("restore_again"):
-            restore_again(rec, model, optimizer, out / f"again-rank{rank}.json")
+            restore_again(rec, address, model, optimizer, out / f"again-rank{rank}.json")
+            # One more version, encoded against the restored base.
+            loss = torch.nn.functional.mse_loss(model(data_x[:8]), data_x[:8] @ data_w)
+            optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            rec.commit(cfg["steps"] + 1, wait=True)
     except rewind.RewindError as exc:
         (out / f"error-rank{rank}.txt").write_text(str(exc))
         # The agent stops every worker once one exits failed: none exits before all have written.
@@ -331,18 +339,24 @@ def _locals(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[to
         local(v) for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
 
 
-def restore_again(rec: rewind.Recorder, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                  path: Path) -> None:
-    """Scribble over the trained state, ``restore()`` the last version into the same objects,
-    and write whether every parameter and moment kept its storage and got its bits back."""
+def restore_again(rec: rewind.Recorder, address: RunAddress, model: torch.nn.Module,
+                  optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Snapshot the last version, scribble over the trained state, ``restore()`` it into the
+    same objects, and write whether every parameter and moment kept its storage and got its
+    bits back, and the tail the restore replayed."""
+    if dist.get_rank() == 0:  # the newest version snapshotted: each rank maps its snapshot file
+        with Snapshotter(address, SnapshotStore(rewind.Snapshots().store_url(address)),
+                         SnapshotterConfig()) as snap:
+            snap.snapshot(force=True)
+    dist.barrier()
     before = full_tensors(model, optimizer)
     ptrs = [t.data_ptr() for t in _locals(model, optimizer)]
     with torch.no_grad():
         for t in _locals(model, optimizer):
             t.add_(1)
-    rec.restore()
+    got = rec.restore()
     path.write_text(json.dumps({"same_storage": [t.data_ptr() for t in _locals(model, optimizer)] == ptrs,
-                                "equal": full_tensors(model, optimizer) == before}))
+                                "equal": full_tensors(model, optimizer) == before, "tail": got.tail}))
 
 
 def _free_port() -> int:

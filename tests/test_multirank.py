@@ -283,14 +283,19 @@ def test_recorded_at_4_ranks_restores_at_3_that_does_not_divide_its_shards(jobs:
 def test_a_restore_writes_into_the_ranks_own_parameters_and_moments(tmp_path: Path,
                                                                   pytestconfig: pytest.Config) -> None:
     """Once its optimizer has stepped, a rank restores as ``dcp.load`` does: every local
-    parameter and moment keeps its storage and gets the recorded bits back, bit-equal."""
+    parameter and moment keeps its storage and gets the recorded bits back, bit-equal. The
+    version restored is snapshotted (the ranks map the snapshot); the version committed next
+    is encoded against that base and replays to its seal."""
     jobs = Jobs(tmp_path, pytestconfig)
     (tmp_path / "t").mkdir()
-    jobs.add("again", make_address("embedded", tmp_path / "t", "t"), restore_again=True)
+    address = make_address("embedded", tmp_path / "t", "t")
+    jobs.add("again", address, restore_again=True)
     jobs.run()
     jobs.ok("again")
     got = [json.loads((jobs.out("again") / f"again-rank{r}.json").read_text()) for r in range(2)]
-    assert got == [{"same_storage": True, "equal": True}] * 2
+    assert got == [{"same_storage": True, "equal": True, "tail": 0}] * 2
+    state, report = replay(address, use_snapshots=False)
+    assert (state.step, report.tail_versions) == (STEPS + 1, STEPS + 1)
 
 
 def test_a_3_shard_run_restores_at_2_ranks_bit_equal(tmp_path: Path, pytestconfig: pytest.Config) -> None:

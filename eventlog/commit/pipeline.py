@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 import torch
 
-from eventlog import intraop, serde, tensorcodec
+from eventlog import filemaps, intraop, serde, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.commit.append import EventAppender, append_control
 from eventlog.digests import small_digest, state_digest
@@ -169,12 +169,12 @@ class CommitPipeline:
     def staging(self) -> dict[str, np.ndarray]:
         """Buffers to stage the next commit into: a replaced base's, or a new empty set
         (after the sets ``add_staging`` is still allocating are ready)."""
-        self._wait_ahead()
+        self.wait_ahead()
         with self._spare_lock:
             return self._spare.pop() if self._spare else {}
 
-    def _wait_ahead(self) -> None:
-        """Wait for the staging sets a thread of ``add_staging`` is allocating."""
+    def wait_ahead(self) -> None:
+        """Wait for the thread of ``add_staging`` (staging sets, the base's own bits), if any."""
         ahead, self._ahead = self._ahead, None
         if ahead is not None:
             with warned_wait("the staging buffers allocated at restore() to be ready", _log):
@@ -186,7 +186,7 @@ class CommitPipeline:
         there instead of faulting it in on the training thread (``background``: on a thread
         started here, which the next ``staging()`` waits for). Sets already spare count: a
         second call adds none."""
-        self._wait_ahead()  # (a second call counts the sets the first one allocated)
+        self.wait_ahead()  # (a second call counts the sets the first one allocated)
         if background:
             self._ahead = threading.Thread(target=self._add_staging_or_warn, args=(sizes, sets),
                                            name="rewind-stage-ahead", daemon=True)
@@ -202,6 +202,12 @@ class CommitPipeline:
                          "allocate their own", type(exc).__name__, exc)
 
     def _add_staging(self, sizes: Mapping[str, int], sets: int) -> None:
+        # A restore may leave base bits in a snapshot file's map (a rank maps its snapshot):
+        # they become bits of the base's own here, off the training thread, before any
+        # commit reads the base (it waits for this thread).
+        bits = self.base.bits
+        for name, view in list(bits.items()):
+            bits[name] = filemaps.owned(view)
         with self._spare_lock:
             sets -= len(self._spare)
         for _ in range(sets):
@@ -219,7 +225,7 @@ class CommitPipeline:
         old, base = self.base.bits, self.base
         base.bits, base.chunk_digests, base.specs, base.small = bits, chunk_digests, specs, small
         base.version, base.last_gsn = version, last_gsn
-        if old:
+        if old and not any(filemaps.of_file(b) for b in old.values()):  # (never stage into a file)
             with self._spare_lock:
                 self._spare.append(old)
 
