@@ -219,7 +219,7 @@ def recover(cfg: WorkerConfig, tr: Trainer, address: RunAddress, group: Any, ran
                 # DCP's load below shares the cores with nothing; how long it went on is shown.
                 t1 = time.perf_counter()
                 rec.flush()
-                out[key.replace("_s", "_ahead_s")].append(time.perf_counter() - t1)
+                out[key.removesuffix("_s") + "_ahead_s"].append(time.perf_counter() - t1)
                 if got.version != out["head_version"] or got.tail != tail:
                     raise SystemExit(f"rank {rank}: restore() rebuilt version {got.version} with a "
                                      f"{got.tail}-version tail; expected version {out['head_version']} "

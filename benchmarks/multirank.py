@@ -273,7 +273,7 @@ def table(doc: dict[str, Any]) -> Table:
         t.add_row("", "restore, snapshot alone / dcp.load", fmt(fig["restore_snapshot_s"], "s"),
                   fmt(fig["dcp_load_s"], "s"), fmt(fig["snapshot_restore_vs_dcp_load"], "x", 2),
                   *verdict(world, "snapshot_restore_vs_dcp_load"), n.get("restore", ""))
-        t.add_row("", "  its staging thread, after restore() returned",
+        t.add_row("", "  its staging thread, after it returned",
                   fmt(fig.get("restore_snapshot_ahead_s"), "s"),
                   "", "", "", "", "the base's own bits, a staging set; the first commit waits for it")
         t.add_row("", f"the {tail}-version tail / {tail} bare steps", fmt(fig["tail_s"], "s"),
