@@ -232,6 +232,7 @@ class RankCommit:
         g, base = self.group, self._pipe.base
         replicated = self._share_replicated(state) if part else {}
         distributed.load_rank(self._objects, state, g.rank, g.world, replicated)
+        self._pipe.retire_base()
         self.global_specs = tuple(sorted(state.layout.tensors, key=lambda s: s.name))
         if distributed.recorded_world(state) == g.world:
             mine = set(self.owned)

@@ -302,6 +302,9 @@ class Recorder:
         # were loaded with copies (``load_into``), so nothing else writes into them. (Bits
         # still in a snapshot file's map, from a restorer that mapped it, are copied.)
         base = self._pipe.base
+        if self._weights is not None:
+            self._weights.wait_base()  # its thread may still read the base retired here
+        self._pipe.retire_base()
         base.bits = {n: filemaps.owned(t.bits) for s in state.shards for n, t in s.tensors.items()}
         base.chunk_digests = {}
         base.specs, base.layout = state.layout.tensors, state.layout

@@ -114,6 +114,7 @@ class CommitPipeline:
         self._spare: list[dict[str, np.ndarray]] = []
         self._spare_lock = threading.Lock()
         self._ahead: threading.Thread | None = None  # allocating staging sets (``add_staging``)
+        self._retired: list[dict[str, np.ndarray]] = []  # a replaced base's buffers (``retire_base``)
 
     # ------------------------------------------------------------------ versions and gsns
     def allocate_gsns(self, count: int) -> int:
@@ -202,20 +203,35 @@ class CommitPipeline:
                          "allocate their own", type(exc).__name__, exc)
 
     def _add_staging(self, sizes: Mapping[str, int], sets: int) -> None:
+        retired, self._retired = self._retired, []
         # A restore may leave base bits in a snapshot file's map (a rank maps its snapshot):
         # they become bits of the base's own here, off the training thread, before any
-        # commit reads the base (it waits for this thread).
+        # commit reads the base (it waits for this thread), in the retired base's buffers
+        # where they fit (memory already touched).
         bits = self.base.bits
         for name, view in list(bits.items()):
-            bits[name] = filemaps.owned(view)
+            if filemaps.of_file(view):
+                buf = next((r.pop(name) for r in retired
+                            if name in r and r[name].nbytes == view.nbytes), None)
+                bits[name] = filemaps.owned(view) if buf is None else _copied_into(buf, view)
         with self._spare_lock:
-            sets -= len(self._spare)
-        for _ in range(sets):
-            staged = {name: tensorcodec.host_buffer(n) for name, n in sizes.items()}
-            for buf in staged.values():
-                buf[::_PAGE] = 0  # one write per page maps it
+            missing = max(0, sets - len(self._spare))
+        for _ in range(missing):
+            staged = retired.pop() if retired else {}
+            for name, n in sizes.items():
+                if name not in staged or staged[name].nbytes != n:
+                    staged[name] = _touched(tensorcodec.host_buffer(n))
             with self._spare_lock:
                 self._spare.append(staged)
+        retired.clear()  # what is left is freed here, not on the training thread
+
+    def retire_base(self) -> None:
+        """Empty the base (a restore is about to set another). Its buffers are not freed
+        here: the next ``add_staging`` stages into them or copies a mapped base into them,
+        and frees the rest on its own thread."""
+        old, self.base.bits = self.base.bits, {}
+        if old and not any(filemaps.of_file(b) for b in old.values()):
+            self._retired.append(old)
 
     def advance(self, bits: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
                 chunk_digests: dict[str, list[bytes]], small: dict[str, bytes], version: int,
@@ -337,6 +353,19 @@ class CommitPipeline:
         """Stop the codec pool and release the log writer."""
         self.pool.shutdown()
         self.log_writer.close()
+
+
+def _copied_into(buf: np.ndarray, bits: np.ndarray) -> np.ndarray:
+    """``bits`` copied into ``buf`` (as many bytes), shaped and typed as ``bits``."""
+    out = buf.view(bits.dtype).reshape(bits.shape)
+    np.copyto(out, bits)
+    return out
+
+
+def _touched(buf: np.ndarray) -> np.ndarray:
+    """``buf`` with every page mapped (one write per page)."""
+    buf[::_PAGE] = 0
+    return buf
 
 
 def _timed(fn: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, float]:
