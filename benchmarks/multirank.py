@@ -111,8 +111,7 @@ def aggregate(ranks: Sequence[dict[str, Any]], tail: int) -> dict[str, Any]:
     loads = _per_repeat(ranks, "dcp_load_s")
     restore_tail = _med(_per_repeat(ranks, "restore_tail_s"))
     restore_snapshot = _med(_per_repeat(ranks, "restore_snapshot_s"))
-    restore_ahead = _med(_per_repeat(ranks, "restore_snapshot_ahead_s")) if "restore_snapshot_ahead_s" in r0 \
-        else None
+    restore_ahead = _med(_per_repeat(ranks, "restore_snapshot_ahead_s"))
     dcp_load = _med(loads)
     bare = _med(_per_repeat(ranks, "bare_steps_s"))
     tail_cost = None if restore_tail is None or restore_snapshot is None else restore_tail - restore_snapshot

@@ -58,12 +58,14 @@ def of_file(bits: np.ndarray) -> bool:
     return entry is not None and entry[0]() is owner
 
 
-def owned(bits: np.ndarray) -> np.ndarray:
+def owned(bits: np.ndarray, into: np.ndarray | None = None) -> np.ndarray:
     """``bits``, or a copy of them in memory of their own where they are a view of a file's
-    map (a host buffer: a large copy is kept across commits as a base)."""
+    map: in ``into`` (a buffer of as many bytes), else in a new host buffer (a large copy is
+    kept across commits as a base)."""
     if not of_file(bits):
         return bits
-    out = tensorcodec.host_buffer(bits.nbytes).view(bits.dtype).reshape(bits.shape)
+    buf = tensorcodec.host_buffer(bits.nbytes) if into is None else into
+    out = buf.view(bits.dtype).reshape(bits.shape)
     np.copyto(out, bits)
     return out
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from eventlog import filemaps, intraop, statecodec, tensorcodec
+from eventlog import intraop, statecodec, tensorcodec
 from eventlog import predictive as predictive_codec
 from eventlog.backends import RunAddress
 from eventlog.capture import INLINE_TENSOR_BYTES, TENSOR_ROLES, GlobalRng, Stateful, flatten, load_into
@@ -300,12 +300,13 @@ class Recorder:
             self._steps.take()  # steps taken before the restore led to another state
         # The rebuilt bits become the XOR base of the next commit themselves: the objects
         # were loaded with copies (``load_into``), so nothing else writes into them. (Bits
-        # still in a snapshot file's map, from a restorer that mapped it, are copied.)
+        # still in a snapshot file's map, from a restorer that mapped it, are copied on the
+        # staging thread started below, as a rank's are.)
         base = self._pipe.base
         if self._weights is not None:
             self._weights.wait_base()  # its thread may still read the base retired here
         self._pipe.retire_base()
-        base.bits = {n: filemaps.owned(t.bits) for s in state.shards for n, t in s.tensors.items()}
+        base.bits = {n: t.bits for s in state.shards for n, t in s.tensors.items()}
         base.chunk_digests = {}
         base.specs, base.layout = state.layout.tensors, state.layout
         # Chunk boundaries are part of the digests: keep the run's, whatever this process set.

@@ -211,9 +211,9 @@ class CommitPipeline:
         bits = self.base.bits
         for name, view in list(bits.items()):
             if filemaps.of_file(view):
-                buf = next((r.pop(name) for r in retired
-                            if name in r and r[name].nbytes == view.nbytes), None)
-                bits[name] = filemaps.owned(view) if buf is None else _copied_into(buf, view)
+                fits = (r for r in retired if name in r and r[name].nbytes == view.nbytes)
+                into = next((r.pop(name) for r in fits), None)
+                bits[name] = filemaps.owned(view, into)
         with self._spare_lock:
             missing = max(0, sets - len(self._spare))
         for _ in range(missing):
@@ -230,7 +230,7 @@ class CommitPipeline:
         here: the next ``add_staging`` stages into them or copies a mapped base into them,
         and frees the rest on its own thread."""
         old, self.base.bits = self.base.bits, {}
-        if old and not any(filemaps.of_file(b) for b in old.values()):
+        if _reusable(old):
             self._retired.append(old)
 
     def advance(self, bits: dict[str, np.ndarray], specs: tuple[TensorSpec, ...],
@@ -241,7 +241,7 @@ class CommitPipeline:
         old, base = self.base.bits, self.base
         base.bits, base.chunk_digests, base.specs, base.small = bits, chunk_digests, specs, small
         base.version, base.last_gsn = version, last_gsn
-        if old and not any(filemaps.of_file(b) for b in old.values()):  # (never stage into a file)
+        if _reusable(old):
             with self._spare_lock:
                 self._spare.append(old)
 
@@ -355,11 +355,10 @@ class CommitPipeline:
         self.log_writer.close()
 
 
-def _copied_into(buf: np.ndarray, bits: np.ndarray) -> np.ndarray:
-    """``bits`` copied into ``buf`` (as many bytes), shaped and typed as ``bits``."""
-    out = buf.view(bits.dtype).reshape(bits.shape)
-    np.copyto(out, bits)
-    return out
+def _reusable(bits: Mapping[str, np.ndarray]) -> bool:
+    """Whether a replaced base's buffers may be staged into: it has some, and none is a view
+    of a file's map (a write there would copy the file's pages one fault at a time)."""
+    return bool(bits) and not any(filemaps.of_file(b) for b in bits.values())
 
 
 def _touched(buf: np.ndarray) -> np.ndarray:
